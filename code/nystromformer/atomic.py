@@ -1,0 +1,69 @@
+"""Atomic file writes: write a temporary file beside the target, fsync, rename.
+
+A reader (or a resumed run) sees either the old file or the complete new one, never half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+import numpy as np
+import torch
+
+PathLike = Union[str, os.PathLike]
+
+
+@contextmanager
+def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: PathLike, obj) -> None:
+    with atomic_open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def write_text(path: PathLike, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def save_npy(path: PathLike, array: np.ndarray) -> None:
+    with atomic_open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+
+
+def torch_save(path: PathLike, obj) -> None:
+    with atomic_open(path, "wb") as f:
+        torch.save(obj, f)

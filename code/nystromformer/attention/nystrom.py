@@ -1,0 +1,98 @@
+"""Nyström attention (Xiong et al., AAAI 2021), faithful to the authors' code.
+
+softmax(QKᵀ/√d) V is approximated by  softmax(Q K̃ᵀ) · pinv(softmax(Q̃ K̃ᵀ)) · softmax(Q̃ Kᵀ) V  where Q̃, K̃ are
+``num_landmarks`` segment means of Q and K, and pinv is the iterative Moore–Penrose pseudo-inverse.
+Q and K are each scaled by d^-1/4 (so their product carries the usual 1/√d).
+
+Padding: as in the authors' code, padded positions are zeroed in Q, K (before the segment means) and in
+V (before the conv), and padded keys are masked out of softmax(Q̃ Kᵀ). So the *contents* of padded
+positions never change real tokens' outputs, but the *amount* of padding does (it shifts the segment
+boundaries and dilutes the landmark means): that is inherent to segment-mean landmarks over a padded
+length. When ``num_landmarks >= seq_len`` the layer computes exact softmax attention.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import register
+
+
+def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Means of ``num_segments`` contiguous segments along dim -2.
+
+    When the length n is not a multiple, segment i covers positions p with floor(p·m/n) = i, so
+    segment lengths differ by at most one (the authors' April 2021 extension, instead of a crash).
+    """
+    n = x.shape[-2]
+    if n % num_segments == 0:
+        return x.reshape(*x.shape[:-2], num_segments, n // num_segments, x.shape[-1]).mean(dim=-2)
+    seg_id = torch.arange(n, device=x.device) * num_segments // n
+    counts = torch.bincount(seg_id, minlength=num_segments).to(x.dtype)
+    sums = x.new_zeros(*x.shape[:-2], num_segments, x.shape[-1]).index_add_(-2, seg_id, x)
+    return sums / counts[:, None]
+
+
+def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original") -> torch.Tensor:
+    """Moore–Penrose pseudo-inverse of each matrix in ``a`` (..., m, m) by the paper's iteration
+
+        Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ)))
+
+    from Z₀ = Aᵀ / (‖A‖₁ ‖A‖∞). ``init="original"`` reproduces the authors' code: ‖A‖∞ taken as 1
+    (rows of a softmax sum to 1) and ‖A‖₁ as the largest column sum over the *whole batch*, so one
+    matrix's scale depends on its batch mates. ``init="exact"`` uses both norms of each matrix itself.
+    """
+    eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+    if init == "original":
+        z = a.transpose(-1, -2) / torch.max(torch.sum(a, dim=-2))
+    elif init == "exact":
+        norm_1 = a.abs().sum(dim=-2).amax(dim=-1)    # max column sum, per matrix
+        norm_inf = a.abs().sum(dim=-1).amax(dim=-1)  # max row sum, per matrix
+        z = a.transpose(-1, -2) / (norm_1 * norm_inf)[..., None, None]
+    else:
+        raise ValueError(f"unknown pseudo-inverse init {init!r} (expected 'original' or 'exact')")
+    for _ in range(num_iterations):
+        az = a @ z
+        z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    return z
+
+
+@register("nystrom")
+class NystromAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_landmarks = config.num_landmarks
+        self.pinv_iterations = config.pinv_iterations
+        self.init_option = config.inv_coeff_init_option
+        self.conv = None
+        if config.conv_kernel_size is not None:
+            k = config.conv_kernel_size
+            # Depthwise over heads, along the sequence, shared across the head dim: the paper's layout,
+            # kept so that checkpoints map one-to-one onto the authors' and transformers' weights.
+            self.conv = nn.Conv2d(config.num_head, config.num_head, kernel_size=(k, 1), padding=(k // 2, 0),
+                                  bias=False, groups=config.num_head)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n = q.shape[-2]
+        keep = mask[:, None, :, None].to(q.dtype)
+        scale = self.head_dim ** -0.25
+        q = q * keep * scale
+        k = k * keep * scale
+        # Padded keys get the most negative finite score: an all-padding row stays finite.
+        key_bias = (1.0 - mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+
+        if self.num_landmarks >= n:
+            out = torch.softmax(q @ k.transpose(-1, -2) + key_bias, dim=-1) @ v
+        else:
+            q_land = segment_means(q, self.num_landmarks)
+            k_land = segment_means(k, self.num_landmarks)
+            kernel_1 = torch.softmax(q @ k_land.transpose(-1, -2), dim=-1)
+            kernel_2 = torch.softmax(q_land @ k_land.transpose(-1, -2), dim=-1)
+            kernel_3 = torch.softmax(q_land @ k.transpose(-1, -2) + key_bias, dim=-1)
+            pinv = iterative_pinv(kernel_2, self.pinv_iterations, self.init_option)
+            out = (kernel_1 @ pinv) @ (kernel_3 @ v)
+
+        if self.conv is not None:
+            out = out + self.conv(v * keep)
+        return out

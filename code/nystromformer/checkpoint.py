@@ -1,0 +1,139 @@
+"""Checkpoint files, with the names users of the paper's repo know.
+
+- ``cp-XXXX.model``: ``{"model_state_dict": ..., "epoch": XXXX, "step": ..., "config": ...}`` written at the
+  end of epoch XXXX (0-based): the weights alone, for validation, fine-tuning and ``from_cp``.
+- ``cp-XXXX.cp``: everything needed to resume (weights, optimizer, scheduler, scaler, epoch, step,
+  inst_pass, RNG states).
+- ``step-YYYYYYYY.cp``: the same, written mid-epoch when the run is preempted (SIGTERM).
+
+Every write is atomic; every load uses ``weights_only=True`` (no arbitrary unpickling).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import atomic
+from .model import POSITION_OFFSET
+
+EPOCH_CP = re.compile(r"^cp-(\d{4,})\.cp$")
+EPOCH_MODEL = re.compile(r"^cp-(\d{4,})\.model$")
+STEP_CP = re.compile(r"^step-(\d{8,})\.cp$")
+POSITION_KEY = "encoder.embeddings.position_embeddings.weight"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def model_path(checkpoint_dir: Path, epoch: int) -> Path:
+    return Path(checkpoint_dir) / f"cp-{epoch:04d}.model"
+
+
+def save_epoch(checkpoint_dir: Path, epoch: int, state: dict) -> None:
+    """Write cp-XXXX.model then cp-XXXX.cp; the .cp, written last, marks the epoch complete."""
+    checkpoint_dir = Path(checkpoint_dir)
+    weights = {"model_state_dict": state["model_state_dict"], "epoch": epoch, "step": state["step"],
+               "config": state.get("config")}
+    atomic.torch_save(model_path(checkpoint_dir, epoch), weights)
+    atomic.torch_save(checkpoint_dir / f"cp-{epoch:04d}.cp", state)
+    # A mid-epoch checkpoint older than this one is now stale.
+    for path in checkpoint_dir.glob("step-*.cp"):
+        m = STEP_CP.match(path.name)
+        if m and int(m.group(1)) <= state["step"]:
+            path.unlink()
+
+
+def save_preempted(checkpoint_dir: Path, state: dict) -> Path:
+    path = Path(checkpoint_dir) / f"step-{state['step']:08d}.cp"
+    atomic.torch_save(path, state)
+    return path
+
+
+def resumable_checkpoints(checkpoint_dir: Path, batches_per_epoch: int) -> List[Tuple[int, Path]]:
+    """(global step, path) of every resumable checkpoint in the folder, newest first."""
+    found = []
+    for path in Path(checkpoint_dir).glob("*.cp"):
+        if m := EPOCH_CP.match(path.name):
+            found.append(((int(m.group(1)) + 1) * batches_per_epoch, path))
+        elif m := STEP_CP.match(path.name):
+            found.append((int(m.group(1)), path))
+    return sorted(found, key=lambda t: (t[0], t[1].name.startswith("cp-")), reverse=True)
+
+
+def load(path: Union[str, Path], map_location="cpu") -> dict:
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # truncated zip, bad magic, unpicklable object...
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict) or "model_state_dict" not in obj:
+        raise CheckpointError(f"{path}: not a checkpoint of this project (no model_state_dict)")
+    return obj
+
+
+def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=print) -> Optional[dict]:
+    """The newest checkpoint that loads; a corrupt newer one is reported and skipped."""
+    for step, path in resumable_checkpoints(checkpoint_dir, batches_per_epoch):
+        try:
+            state = load(path)
+        except CheckpointError as e:
+            log(f"warning: skipping {e}; falling back to an older checkpoint")
+            continue
+        state["path"] = str(path)
+        return state
+    return None
+
+
+def available_models(checkpoint_dir: Path) -> List[int]:
+    return sorted(int(m.group(1)) for p in Path(checkpoint_dir).glob("cp-*.model")
+                  if (m := EPOCH_MODEL.match(p.name)))
+
+
+def find_model(checkpoint_dir: Path, epoch: int) -> Path:
+    """The path of cp-<epoch>.model, or an error listing the checkpoints there are."""
+    path = model_path(checkpoint_dir, epoch)
+    if not path.is_file():
+        have = available_models(checkpoint_dir)
+        listing = ", ".join(str(e) for e in have) if have else "none"
+        raise CheckpointError(f"no checkpoint {path.name} in {checkpoint_dir}; available checkpoints: {listing}")
+    return path
+
+
+def extend_position_embeddings(state_dict: Dict[str, torch.Tensor], max_seq_len: int) -> Dict[str, torch.Tensor]:
+    """Grow the learned position table to ``max_seq_len`` as the paper did for 4096 from 512:
+    keep the first two (unused, RoBERTa offset) rows and tile the learned rows."""
+    old = state_dict[POSITION_KEY]
+    old_len = old.shape[0] - POSITION_OFFSET
+    if max_seq_len == old_len:
+        return state_dict
+    if max_seq_len < old_len or max_seq_len % old_len:
+        raise CheckpointError(f"model.max_seq_len {max_seq_len} must be a multiple of the checkpoint's "
+                              f"length {old_len} to tile its position embeddings")
+    rows = old[POSITION_OFFSET:].repeat(max_seq_len // old_len, 1)
+    state_dict = dict(state_dict)
+    state_dict[POSITION_KEY] = torch.cat([old[:POSITION_OFFSET], rows], dim=0)
+    return state_dict
+
+
+def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_seq_len: int,
+                            log=print) -> Tuple[List[str], List[str]]:
+    """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
+    Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
+    state = extend_position_embeddings(load(path)["model_state_dict"], max_seq_len)
+    own = model.state_dict()
+    mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    if mismatched:
+        k = mismatched[0]
+        raise CheckpointError(f"{path}: {k} has shape {tuple(state[k].shape)}, the model expects "
+                              f"{tuple(own[k].shape)} (is config.json the same architecture?)")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys:
+        log(f"initialised from {path}; not in the checkpoint (left at init): {', '.join(result.missing_keys)}")
+    if result.unexpected_keys:
+        log(f"initialised from {path}; unused checkpoint keys: {', '.join(result.unexpected_keys)}")
+    return result.missing_keys, result.unexpected_keys

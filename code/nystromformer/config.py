@@ -1,0 +1,234 @@
+"""The one config schema: a model folder's ``config.json``, validated on load.
+
+Every key is declared once below with its type, default and allowed range. Loading rejects unknown
+keys, wrong types and impossible values with an error that names the key (``model.head_dim``) and the
+file, so a typo never silently falls back to a default. ``docs/config.md`` documents each key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot be used; the message names the key and the file."""
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+ATTENTION_TYPES = ("softmax", "nystrom")
+PINV_INITS = ("original", "exact")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50265
+    num_sen_type: int = 1
+    max_seq_len: int = 512
+    embedding_dim: int = 768
+    transformer_dim: int = 768
+    transformer_hidden_dim: int = 3072
+    num_layers: int = 12
+    dropout_prob: float = 0.1
+    num_head: int = 12
+    head_dim: int = 64
+    attn_type: str = "nystrom"
+    num_landmarks: int = 64
+    # None: no depthwise-conv skip on V (the paper's "no conv" ablation).
+    conv_kernel_size: Optional[int] = None
+    # Initial guess of the iterative pseudo-inverse: "original" is the paper's code (one scale for the
+    # whole batch); "exact" is 1/(||A||_1 ||A||_inf) per matrix, the guess the convergence proof uses.
+    inv_coeff_init_option: str = "original"
+    pinv_iterations: int = 6
+    # The paper's code computes attention in fp32 even under mixed precision.
+    attention_fp32: bool = True
+    mixed_precision: bool = True
+    attention_grad_checkpointing: bool = False
+    gelu_grad_checkpointing: bool = False
+    layer_norm_eps: float = 1e-5
+    # Ids the embedding and MLM code need; written by the shard builder's meta.json too.
+    pad_token_id: int = 1
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "num_sen_type", "max_seq_len", "embedding_dim", "transformer_dim",
+                     "transformer_hidden_dim", "num_layers", "num_head", "head_dim", "num_landmarks"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _check(0.0 <= self.dropout_prob < 1.0, f"{prefix}.dropout_prob", f"must be in [0, 1), got {self.dropout_prob}")
+        _check(self.attn_type in ATTENTION_TYPES, f"{prefix}.attn_type",
+               f"must be one of {', '.join(ATTENTION_TYPES)}; got {self.attn_type!r}")
+        _check(self.num_head * self.head_dim == self.transformer_dim, f"{prefix}.head_dim",
+               f"num_head ({self.num_head}) x head_dim ({self.head_dim}) = {self.num_head * self.head_dim} "
+               f"must equal transformer_dim ({self.transformer_dim})")
+        _check(self.inv_coeff_init_option in PINV_INITS, f"{prefix}.inv_coeff_init_option",
+               f"must be one of {', '.join(PINV_INITS)}; got {self.inv_coeff_init_option!r}")
+        _check(self.pinv_iterations >= 1, f"{prefix}.pinv_iterations", f"must be >= 1, got {self.pinv_iterations}")
+        if self.conv_kernel_size is not None:
+            _check(self.conv_kernel_size >= 1 and self.conv_kernel_size % 2 == 1, f"{prefix}.conv_kernel_size",
+                   f"must be a positive odd number (the conv keeps the length), got {self.conv_kernel_size}")
+        _check(self.layer_norm_eps > 0, f"{prefix}.layer_norm_eps", "must be > 0")
+        _check(0 <= self.pad_token_id < self.vocab_size, f"{prefix}.pad_token_id",
+               f"must be a token id below vocab_size ({self.vocab_size}), got {self.pad_token_id}")
+
+
+@dataclass
+class PretrainingConfig:
+    batch_size: int = 256
+    learning_rate: float = 1e-4
+    warmup: float = 0.01  # fraction of all steps spent warming up
+    batches_per_report: int = 10
+    batches_per_epoch: int = 5000
+    epoch: int = 100
+    validate_batches_per_epoch: int = 100
+    mask_prob: float = 0.15
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-6
+    max_grad_norm: Optional[float] = None
+    seed: int = 0
+
+    def validate(self, prefix: str = "pretraining_setting") -> None:
+        for name in ("batch_size", "batches_per_report", "batches_per_epoch", "epoch"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _check(self.learning_rate > 0, f"{prefix}.learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(0.0 < self.warmup < 1.0, f"{prefix}.warmup",
+               f"is the fraction of steps spent warming up; must be in (0, 1), got {self.warmup}")
+        _check(self.validate_batches_per_epoch >= 0, f"{prefix}.validate_batches_per_epoch", "must be >= 0")
+        _check(0.0 < self.mask_prob < 1.0, f"{prefix}.mask_prob", f"must be in (0, 1), got {self.mask_prob}")
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
+        _check(self.adam_eps > 0, f"{prefix}.adam_eps", "must be > 0")
+        if self.max_grad_norm is not None:
+            _check(self.max_grad_norm > 0, f"{prefix}.max_grad_norm", "must be > 0 (or null to disable)")
+
+
+@dataclass
+class GpuConfig:
+    # Most sequences one device processes per micro-step; gradient accumulation makes up batch_size.
+    inst_per_gpu: int = 32
+
+    def validate(self, prefix: str = "gpu_setting") -> None:
+        _check(self.inst_per_gpu >= 1, f"{prefix}.inst_per_gpu", f"must be >= 1, got {self.inst_per_gpu}")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretraining_setting: PretrainingConfig = field(default_factory=PretrainingConfig)
+    gpu_setting: GpuConfig = field(default_factory=GpuConfig)
+    # Paths, relative to the model folder (absolute paths are kept as they are).
+    model_checkpoints: str = "model"
+    data_folder: str = "dataset"
+    glue_dataset_folder: str = "glue"
+    # Optional warm start: a .model or .cp of another folder, used only while this folder has no checkpoint.
+    from_cp: Optional[str] = None
+    # Optional tokenizer folder (for GLUE and export); defaults to the data folder's meta.json tokenizer.
+    tokenizer: Optional[str] = None
+    # Where this config came from; not a key of config.json.
+    model_dir: Path = field(default=Path("."), metadata={"internal": True})
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.pretraining_setting.validate()
+        self.gpu_setting.validate()
+        for name in ("model_checkpoints", "data_folder", "glue_dataset_folder"):
+            _check(bool(getattr(self, name)), name, "must be a non-empty path")
+
+    def path(self, value: Optional[str]) -> Optional[Path]:
+        """Resolve a path key relative to the model folder."""
+        if value is None:
+            return None
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else (self.model_dir / p)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path(self.model_checkpoints)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.path(self.data_folder)
+
+    @property
+    def glue_dir(self) -> Path:
+        return self.path(self.glue_dataset_folder)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("model_dir")
+        return out
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check a JSON value against a declared type; ints are accepted for floats, bools are not ints."""
+    if get_origin(tp) is Union:
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(value, inner, key)
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(tp)
+    if ok is None:
+        raise TypeError(f"unsupported schema type {tp} for {key}")
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {json.dumps(value)}")
+    return float(value) if tp is float else value
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected an object, got {json.dumps(data)[:60]}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict, model_dir: Union[str, Path] = ".") -> Config:
+    cfg = _build(Config, data, "")
+    cfg.model_dir = Path(model_dir)
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: Union[str, Path]) -> Config:
+    """Load ``config.json`` from a model folder (or the file itself) and validate it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    try:
+        return config_from_dict(data, path.parent)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

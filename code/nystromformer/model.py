@@ -1,0 +1,226 @@
+"""The Nyströmformer model: a RoBERTa-style post-LayerNorm encoder, as in the paper's code.
+
+Embeddings (word + learned position with RoBERTa's offset of 2 + token type) → LayerNorm → dropout →
+``num_layers`` blocks of [multi-head attention → dropout → add & LayerNorm → GELU FFN → dropout → add &
+LayerNorm]. The attention kernel is chosen by ``attn_type`` (see ``nystromformer.attention``). Heads: an
+MLM head tied to the word embeddings, and a first-token sequence head for fine-tuning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .attention import build_attention
+from .config import ModelConfig
+
+# RoBERTa numbers positions from padding_idx + 1 = 2; rows 0 and 1 of the table are never used for tokens.
+POSITION_OFFSET = 2
+IGNORE_INDEX = -100
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.embedding_dim)
+        self.position_embeddings = nn.Embedding(cfg.max_seq_len + POSITION_OFFSET, cfg.embedding_dim)
+        self.token_type_embeddings = nn.Embedding(cfg.num_sen_type, cfg.embedding_dim)
+        self.norm = nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        n = input_ids.shape[1]
+        positions = torch.arange(POSITION_OFFSET, n + POSITION_OFFSET, device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)[None]
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_head, self.head_dim = cfg.num_head, cfg.head_dim
+        inner = cfg.num_head * cfg.head_dim
+        self.query = nn.Linear(cfg.transformer_dim, inner)
+        self.key = nn.Linear(cfg.transformer_dim, inner)
+        self.value = nn.Linear(cfg.transformer_dim, inner)
+        self.output = nn.Linear(inner, cfg.transformer_dim)
+        self.attn = build_attention(cfg)
+        self.attention_fp32 = cfg.attention_fp32
+        self.grad_checkpointing = cfg.attention_grad_checkpointing
+
+    def _core(self, q, k, v, mask):
+        device_type = q.device.type
+        if self.attention_fp32 and torch.is_autocast_enabled(device_type):
+            with torch.autocast(device_type, enabled=False):
+                return self.attn(q.float(), k.float(), v.float(), mask).to(q.dtype)
+        return self.attn(q, k, v, mask)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        split = lambda t: t.view(b, n, self.num_head, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        if self.grad_checkpointing and self.training:
+            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, mask)
+        return self.output(out.transpose(1, 2).reshape(b, n, self.num_head * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense_in = nn.Linear(cfg.transformer_dim, cfg.transformer_hidden_dim)
+        self.dense_out = nn.Linear(cfg.transformer_hidden_dim, cfg.transformer_dim)
+        self.grad_checkpointing = cfg.gelu_grad_checkpointing
+
+    def _hidden(self, x):
+        return F.gelu(self.dense_in(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing and self.training:
+            # The (n, 4d) GELU activations dominate memory; recompute them in backward.
+            return self.dense_out(checkpoint(self._hidden, x, use_reentrant=False))
+        return self.dense_out(self._hidden(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = MultiHeadAttention(cfg)
+        self.norm1 = nn.LayerNorm(cfg.transformer_dim, eps=cfg.layer_norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.norm2 = nn.LayerNorm(cfg.transformer_dim, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout_prob)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(x + self.dropout(self.attention(x, mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = Embeddings(cfg)
+        self.embedding_projection = (nn.Linear(cfg.embedding_dim, cfg.transformer_dim)
+                                     if cfg.embedding_dim != cfg.transformer_dim else None)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_seq_len "
+                             f"{self.config.max_seq_len}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids)
+        if self.embedding_projection is not None:
+            x = self.embedding_projection(x)
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return x
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """BERT/RoBERTa initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+@dataclass
+class MLMOutput:
+    loss: torch.Tensor          # mean cross-entropy over masked positions
+    loss_sum: torch.Tensor      # summed cross-entropy (for exact averaging across micro-batches and ranks)
+    num_masked: torch.Tensor
+    num_correct: torch.Tensor
+
+
+class MLMHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.transformer_dim, cfg.embedding_dim)
+        self.norm = nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, x: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
+        # The decoder is tied to the word embeddings, passed in rather than registered twice.
+        x = self.norm(F.gelu(self.dense(x)))
+        return F.linear(x, decoder_weight, self.bias)
+
+
+class NystromformerForMaskedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.encoder = Encoder(cfg)
+        self.mlm_head = MLMHead(cfg)
+        init_weights(self)
+
+    def logits(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        """Vocabulary logits at every position (for inspection and fill-mask)."""
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+        return self.mlm_head(hidden, self.encoder.embeddings.word_embeddings.weight)
+
+    def forward(self, input_ids, labels, attention_mask=None, token_type_ids=None) -> MLMOutput:
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+        # Only masked positions go through the vocabulary projection: ~15% of the work and memory.
+        selected = labels != IGNORE_INDEX
+        targets = labels[selected]
+        logits = self.mlm_head(hidden[selected], self.encoder.embeddings.word_embeddings.weight).float()
+        loss_sum = F.cross_entropy(logits, targets, reduction="sum")
+        num_masked = targets.numel()
+        num_correct = (logits.argmax(dim=-1) == targets).sum()
+        return MLMOutput(loss=loss_sum / max(num_masked, 1), loss_sum=loss_sum,
+                         num_masked=torch.tensor(num_masked, device=input_ids.device), num_correct=num_correct)
+
+
+class ClassificationHead(nn.Module):
+    """First-token head (as transformers' Nyströmformer): dropout → dense → GELU → dropout → projection."""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int):
+        super().__init__()
+        self.dropout = nn.Dropout(cfg.dropout_prob)
+        self.dense = nn.Linear(cfg.transformer_dim, cfg.transformer_dim)
+        self.out_proj = nn.Linear(cfg.transformer_dim, num_labels)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(hidden[:, 0])
+        x = self.dropout(F.gelu(self.dense(x)))
+        return self.out_proj(x)
+
+
+class NystromformerForSequenceClassification(nn.Module):
+    """Classification (num_labels ≥ 2, cross-entropy) or regression (num_labels = 1, MSE) on the first token."""
+
+    def __init__(self, cfg: ModelConfig, num_labels: int):
+        super().__init__()
+        self.config = cfg
+        self.num_labels = num_labels
+        self.encoder = Encoder(cfg)
+        self.classifier = ClassificationHead(cfg, num_labels)
+        init_weights(self)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
+        logits = self.classifier(self.encoder(input_ids, attention_mask, token_type_ids))
+        return logits.squeeze(-1) if self.num_labels == 1 else logits
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.num_labels == 1:
+            return F.mse_loss(logits.float(), labels.float())
+        return F.cross_entropy(logits.float(), labels)

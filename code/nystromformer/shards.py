@@ -1,0 +1,119 @@
+"""The one shard format for pretraining data.
+
+A data folder holds:
+- ``meta.json``: ``{"format": "nystromformer-shards", "version": 1, "max_seq_len", "vocab_size", "dtype",
+  "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``
+- ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "train-00000.npy",
+  "num_sequences": n}, ...]}`` (file names relative to the folder)
+- the shards: numpy ``.npy`` arrays of token ids, shape (num_sequences, max_seq_len), uint16 when the
+  vocabulary fits, else uint32. Read memory-mapped, never unpickled.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Sequence, Union
+
+import numpy as np
+
+from . import atomic
+
+FORMAT_NAME = "nystromformer-shards"
+FORMAT_VERSION = 1
+SPLITS = ("train", "dev")
+SPECIAL_TOKEN_NAMES = ("bos", "eos", "pad", "mask", "unk")
+
+
+class ShardError(ValueError):
+    """A data folder that does not follow the shard format; the message names the file."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def make_meta(max_seq_len: int, vocab_size: int, tokenizer: str, special_tokens: Dict[str, int], **extra) -> dict:
+    missing = [n for n in SPECIAL_TOKEN_NAMES if n not in special_tokens]
+    if missing:
+        raise ShardError(f"special_tokens is missing {', '.join(missing)}")
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "max_seq_len": int(max_seq_len),
+            "vocab_size": int(vocab_size), "dtype": dtype_for_vocab(vocab_size).name, "tokenizer": str(tokenizer),
+            "special_tokens": {k: int(v) for k, v in special_tokens.items()}, **extra}
+
+
+def write_meta(folder: Union[str, Path], meta: dict) -> None:
+    atomic.write_json(Path(folder) / "meta.json", meta)
+
+
+def write_shard(path: Union[str, Path], sequences: np.ndarray, meta: dict) -> None:
+    """Atomically write one shard after checking it against the folder's metadata."""
+    sequences = np.asarray(sequences)
+    if sequences.ndim != 2 or sequences.shape[1] != meta["max_seq_len"]:
+        raise ShardError(f"{path}: shard must have shape (n, {meta['max_seq_len']}), got {sequences.shape}")
+    if sequences.size and (sequences.min() < 0 or sequences.max() >= meta["vocab_size"]):
+        raise ShardError(f"{path}: token ids must lie in [0, {meta['vocab_size']})")
+    atomic.save_npy(path, sequences.astype(meta["dtype"], copy=False))
+
+
+def write_split_index(folder: Union[str, Path], split: str, shard_files: Sequence[str]) -> None:
+    """Write ``<split>.json`` listing shard files (relative to the folder) with their row counts."""
+    folder = Path(folder)
+    entries = []
+    for name in shard_files:
+        rows = np.load(folder / name, mmap_mode="r", allow_pickle=False).shape[0]
+        entries.append({"file": str(name), "num_sequences": int(rows)})
+    atomic.write_json(folder / f"{split}.json",
+                      {"num_sequences": sum(e["num_sequences"] for e in entries), "shards": entries})
+
+
+def read_meta(folder: Union[str, Path]) -> dict:
+    path = Path(folder) / "meta.json"
+    if not path.is_file():
+        raise ShardError(f"{path}: missing; a data folder needs meta.json, train.json and dev.json "
+                         f"(build one with `nystromformer build-shards`)")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT_NAME:
+        raise ShardError(f"{path}: not a {FORMAT_NAME} folder (format={meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ShardError(f"{path}: shard format version {meta.get('version')} is not supported "
+                         f"(this code reads version {FORMAT_VERSION})")
+    return meta
+
+
+class ShardedSequences:
+    """All sequences of one split, addressed by a global row index, memory-mapped."""
+
+    def __init__(self, folder: Union[str, Path], split: str):
+        if split not in SPLITS:
+            raise ShardError(f"unknown split {split!r} (expected one of {SPLITS})")
+        self.folder = Path(folder)
+        self.meta = read_meta(self.folder)
+        index_path = self.folder / f"{split}.json"
+        if not index_path.is_file():
+            raise ShardError(f"{index_path}: missing")
+        index = json.loads(index_path.read_text())
+        self.arrays: List[np.ndarray] = []
+        for entry in index["shards"]:
+            path = self.folder / entry["file"]
+            if not path.is_file():
+                raise ShardError(f"{index_path}: lists {entry['file']}, which does not exist")
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            if array.ndim != 2 or array.shape[1] != self.meta["max_seq_len"] or array.shape[0] != entry["num_sequences"]:
+                raise ShardError(f"{path}: shape {array.shape} does not match {index_path} "
+                                 f"({entry['num_sequences']} x {self.meta['max_seq_len']})")
+            self.arrays.append(array)
+        self.offsets = np.cumsum([0] + [a.shape[0] for a in self.arrays])
+        self.seq_len = int(self.meta["max_seq_len"])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def rows(self, indices: Sequence[int]) -> np.ndarray:
+        """Rows at the given global indices, as int64, in the given order."""
+        indices = np.asarray(indices, dtype=np.int64)
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        shard_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        for s in np.unique(shard_of):
+            sel = np.nonzero(shard_of == s)[0]
+            out[sel] = self.arrays[s][indices[sel] - self.offsets[s]]
+        return out
