@@ -1,0 +1,45 @@
+"""The ``nystromformer`` command. Each module below adds its own subcommands with ``add_commands``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMAND_MODULES = [
+    "nystromformer.pretrain",
+    "nystromformer.validate",
+    "nystromformer.data.commands",
+    "nystromformer.glue.commands",
+]
+
+
+def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, run) -> None:
+    """Register a subcommand whose flags come from ``add_arguments`` and whose work is ``run(args)``."""
+    p = subparsers.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def script_main(prog: str, doc: str, add_arguments, run, argv: Optional[List[str]] = None) -> int:
+    """The same command as a stand-alone script (the paper's ``code/run_*.py`` entry points)."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return int(run(parser.parse_args(argv)) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nystromformer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Masked-language-model data: deterministic sample order, 80/10/10 masking, and dev evaluation.
+
+Everything random here is a pure function of (seed, step): a resumed run draws exactly the batches and
+masks the uninterrupted run would have, and every DDP rank draws the same global batch and takes its slice.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .model import IGNORE_INDEX
+from .shards import ShardedSequences
+
+# Streams of the per-step seeds, so that training masks, dev masks and dropout never share draws.
+STREAM_ORDER, STREAM_MASK, STREAM_DEV_MASK, STREAM_DROPOUT = range(4)
+
+
+def derived_seed(seed: int, stream: int, index: int, rank: int = 0) -> int:
+    return int(np.random.SeedSequence([seed, stream, index, rank]).generate_state(1)[0])
+
+
+def generator(seed: int, stream: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derived_seed(seed, stream, index))
+
+
+class SampleOrder:
+    """Sequence indices of an endless stream of shuffled passes over the training split.
+
+    Sample i of the stream is row perm_p[i mod N] with p = i // N and perm_p a seeded permutation, so a
+    run's data position is just the number of sequences consumed so far (``inst_pass``)."""
+
+    def __init__(self, num_sequences: int, seed: int):
+        if num_sequences == 0:
+            raise ValueError("the training split has no sequences")
+        self.n, self.seed = num_sequences, seed
+        self._pass, self._perm = -1, None
+
+    def _permutation(self, p: int) -> np.ndarray:
+        if p != self._pass:
+            self._pass = p
+            self._perm = np.random.default_rng(derived_seed(self.seed, STREAM_ORDER, p)).permutation(self.n)
+        return self._perm
+
+    def indices(self, start: int, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=np.int64)
+        for j, i in enumerate(range(start, start + count)):
+            out[j] = self._permutation(i // self.n)[i % self.n]
+        return out
+
+
+def mask_tokens(ids: torch.Tensor, gen: torch.Generator, mask_prob: float, special: Dict[str, int],
+                vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: choose ``mask_prob`` of the non-special tokens; of those 80% → <mask>, 10% → a random
+    token, 10% unchanged. Returns (inputs, labels) with labels = IGNORE_INDEX where not chosen."""
+    never = torch.zeros_like(ids, dtype=torch.bool)
+    for name in ("bos", "eos", "pad"):
+        never |= ids == special[name]
+    chosen = (torch.rand(ids.shape, generator=gen) < mask_prob) & ~never
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
+    action = torch.rand(ids.shape, generator=gen)
+    random_ids = torch.randint(0, vocab_size, ids.shape, generator=gen)
+    inputs = ids.clone()
+    inputs[chosen & (action < 0.8)] = special["mask"]
+    swap = chosen & (action >= 0.8) & (action < 0.9)
+    inputs[swap] = random_ids[swap]
+    return inputs, labels
+
+
+def micro_batches(total: int, size: int):
+    for start in range(0, total, size):
+        yield slice(start, min(start + size, total))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int, micro_batch: int,
+             seed: int, mask_prob: float, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
+             rank: int = 0, world_size: int = 1) -> Dict[str, float]:
+    """MLM loss and accuracy on the first ``num_sequences`` dev sequences with fixed masks (the same
+    masks for every checkpoint, so validation curves compare like with like)."""
+    special = data.meta["special_tokens"]
+    vocab_size = data.meta["vocab_size"]
+    num_sequences = min(num_sequences, len(data))
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, masked, correct
+    starts = range(rank * micro_batch, num_sequences, micro_batch * world_size)
+    for start in starts:
+        rows = np.arange(start, min(start + micro_batch, num_sequences))
+        ids = torch.from_numpy(data.rows(rows))
+        # One mask stream per dev row: the masks do not depend on the micro-batch size or the rank count.
+        masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special, vocab_size)
+                  for i, r in enumerate(rows)]
+        inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
+        inputs, labels = inputs.to(device), labels.to(device)
+        attention_mask = (inputs != special["pad"]).long()
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            out = model(inputs, labels, attention_mask=attention_mask)
+        totals += torch.stack([out.loss_sum.double(), out.num_masked.double(), out.num_correct.double()])
+    if world_size > 1:
+        torch.distributed.all_reduce(totals)
+    model.train(was_training)
+    loss_sum, masked, correct = totals.tolist()
+    return {"loss": loss_sum / max(masked, 1), "mlm_accu": correct / max(masked, 1),
+            "num_sequences": num_sequences, "num_masked": int(masked)}

@@ -1,0 +1,89 @@
+"""MLM validation of pretraining checkpoints on the dev split, logged like the paper's validation_output.log.
+
+    nystromformer validate --model-dir nystrom-512               # every cp-XXXX.model not yet validated
+    nystromformer validate --model-dir nystrom-512 --checkpoint 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from . import checkpoint
+from .cli import add_subcommand, script_main
+from .config import Config, ConfigError, load_config
+from .mlm import evaluate
+from .model import NystromformerForMaskedLM
+from .pretrain import check_data, setup_runtime
+from .shards import ShardedSequences, ShardError
+
+LOG_NAME = "validation_output.log"
+
+
+def validated_checkpoints(cfg: Config) -> set:
+    path = cfg.checkpoint_dir / LOG_NAME
+    if not path.is_file():
+        return set()
+    return {json.loads(line)["checkpoint"] for line in path.read_text().splitlines() if line.strip()}
+
+
+def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,
+             device: Optional[str] = None) -> List[dict]:
+    """Validate the given checkpoints (default: every one not yet in the log); returns the new entries."""
+    rt = setup_runtime(cfg, device)
+    ps = cfg.pretraining_setting
+    dev = ShardedSequences(cfg.data_dir, "dev")
+    check_data(cfg, dev)
+    if num_sequences is None:
+        num_sequences = max(ps.validate_batches_per_epoch, 1) * ps.batch_size
+    if epochs is None:
+        done = validated_checkpoints(cfg)
+        epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
+                  if checkpoint.model_path(cfg.checkpoint_dir, e).name not in done]
+    results = []
+    model = NystromformerForMaskedLM(cfg.model).to(rt.device)
+    for epoch in epochs:
+        path = checkpoint.find_model(cfg.checkpoint_dir, epoch)
+        model.load_state_dict(checkpoint.load(path, map_location=rt.device)["model_state_dict"])
+        t0 = time.perf_counter()
+        metrics = evaluate(model, dev, num_sequences, cfg.gpu_setting.inst_per_gpu, ps.seed, ps.mask_prob,
+                           rt.device, rt.autocast_dtype)
+        entry = {"checkpoint": path.name, "epoch": epoch, **metrics, "time": time.perf_counter() - t0}
+        with open(cfg.checkpoint_dir / LOG_NAME, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f} "
+              f"({entry['num_sequences']} sequences)")
+        results.append(entry)
+    if not results:
+        print(f"nothing to validate in {cfg.checkpoint_dir} (every checkpoint is already in {LOG_NAME})")
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", default=".", help="model folder holding config.json (default: current directory)")
+    parser.add_argument("--checkpoint", type=int, action="append", default=None,
+                        help="epoch number of cp-XXXX.model to validate (repeatable; default: all not yet validated)")
+    parser.add_argument("--num-sequences", type=int, default=None,
+                        help="dev sequences to use (default: validate_batches_per_epoch x batch_size)")
+    parser.add_argument("--device", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        validate(load_config(args.model_dir), args.checkpoint, args.num_sequences, args.device)
+        return 0
+    except (ConfigError, ShardError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "validate", "MLM loss/accuracy of checkpoints on the dev split", __doc__, add_arguments, run)
+
+
+def main(argv=None) -> int:
+    return script_main("run_validation.py", __doc__, add_arguments, run, argv)

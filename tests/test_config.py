@@ -1,0 +1,100 @@
+"""config.json: the paper's schema, validated on load with errors that name the key."""
+import json
+from pathlib import Path
+
+import pytest
+
+from nystromformer.config import ConfigError, config_from_dict, load_config
+from nystromformer.model import NystromformerForMaskedLM
+
+from helpers import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def with_change(section, key, value):
+    cfg = tiny_config()
+    (cfg[section] if section else cfg)[key] = value
+    return cfg
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("model", "num_landmark", 64, "model.num_landmark: unknown key"),
+    ("model", "inv_init_coeff_option", "exact", "model.inv_init_coeff_option: unknown key"),  # the paper's typo
+    ("pretraining_setting", "batch_size", "256", "pretraining_setting.batch_size: expected an integer"),
+    ("pretraining_setting", "batch_size", 32.0, "pretraining_setting.batch_size: expected an integer"),
+    ("model", "mixed_precision", 1, "model.mixed_precision: expected true/false"),
+    ("model", "num_layers", True, "model.num_layers: expected an integer"),
+    ("model", "head_dim", 16, "model.head_dim: num_head (4) x head_dim (16) = 64 must equal transformer_dim (32)"),
+    ("model", "attn_type", "linformr", "model.attn_type: must be one of"),
+    ("model", "conv_kernel_size", 4, "model.conv_kernel_size: must be a positive odd number"),
+    ("model", "inv_coeff_init_option", "fast", "model.inv_coeff_init_option: must be one of original, exact"),
+    ("model", "dropout_prob", 1.5, "model.dropout_prob: must be in [0, 1)"),
+    ("pretraining_setting", "warmup", 0, "pretraining_setting.warmup"),
+    ("gpu_setting", "inst_per_gpu", 0, "gpu_setting.inst_per_gpu: must be >= 1"),
+    (None, "data_dir", "x", "data_dir: unknown key"),
+    (None, "model", [1, 2], "model: expected an object"),
+])
+def test_bad_values_are_rejected_with_the_key_named(section, key, value, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        config_from_dict(with_change(section, key, value))
+    assert message in str(err.value)
+
+
+def test_errors_from_files_name_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(with_change("model", "num_head", -1)))
+    with pytest.raises(ConfigError, match=r"config.json: model.num_head: must be >= 1"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model": {,}}')
+    with pytest.raises(ConfigError, match=r"not valid JSON \(line 1"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="no config file"):
+        load_config(tmp_path / "elsewhere")
+
+
+def test_missing_keys_take_the_paper_defaults():
+    cfg = config_from_dict({"model": {"attn_type": "nystrom"}})
+    assert (cfg.model.num_landmarks, cfg.model.pinv_iterations, cfg.model.inv_coeff_init_option) == (64, 6, "original")
+    assert (cfg.pretraining_setting.batch_size, cfg.pretraining_setting.learning_rate) == (256, 1e-4)
+    assert cfg.model.conv_kernel_size is None
+
+
+def test_paths_are_relative_to_the_model_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
+    cfg = load_config(tmp_path)
+    assert cfg.checkpoint_dir == tmp_path / "model"
+    assert cfg.data_dir == tmp_path / "../data"
+    cfg.data_folder = "/abs/data"
+    assert cfg.data_dir == Path("/abs/data")
+
+
+@pytest.mark.parametrize("folder", ["nystrom-512", "nystrom-4096", "softmax-512"])
+def test_shipped_model_folders_load_and_validate(folder):
+    cfg = load_config(REPO / folder)
+    assert cfg.model.max_seq_len in (512, 4096)
+    assert cfg.model.num_head * cfg.model.head_dim == cfg.model.transformer_dim
+
+
+def test_shipped_nystrom_512_has_the_paper_settings_with_landmarks_and_length_the_right_way_round():
+    cfg = load_config(REPO / "nystrom-512")
+    m, p = cfg.model, cfg.pretraining_setting
+    assert (m.num_landmarks, m.max_seq_len, m.num_layers, m.transformer_dim) == (64, 512, 12, 768)
+    assert m.conv_kernel_size is not None and m.attn_type == "nystrom"
+    assert (p.batch_size, p.learning_rate, p.warmup, p.epoch, p.batches_per_epoch) == (256, 1e-4, 0.01, 100, 5000)
+
+
+def test_nystrom_4096_warm_starts_from_the_last_nystrom_512_checkpoint():
+    long, short = load_config(REPO / "nystrom-4096"), load_config(REPO / "nystrom-512")
+    source = long.path(long.from_cp).resolve()
+    last_epoch = short.pretraining_setting.epoch - 1
+    assert source == (short.checkpoint_dir / f"cp-{last_epoch:04d}.model").resolve()
+    assert long.model.max_seq_len % short.model.max_seq_len == 0
+    # Same architecture apart from length: the 512 weights fit once positions are tiled.
+    assert {k: v for k, v in vars(long.model).items() if k != "max_seq_len"} == \
+           {k: v for k, v in vars(short.model).items() if k != "max_seq_len"}
+
+
+def test_a_valid_config_builds_a_model():
+    cfg = config_from_dict(tiny_config())
+    model = NystromformerForMaskedLM(cfg.model)
+    assert model.encoder.embeddings.position_embeddings.num_embeddings == cfg.model.max_seq_len + 2

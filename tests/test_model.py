@@ -1,0 +1,94 @@
+"""The encoder and its heads."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nystromformer.config import config_from_dict
+from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM,
+                                 NystromformerForSequenceClassification)
+
+from helpers import tiny_config
+
+
+def model_config(**kw):
+    return config_from_dict(tiny_config(dropout_prob=0.0, **kw)).model
+
+
+def test_masked_lm_loss_equals_cross_entropy_over_full_logits_at_masked_positions():
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config()).eval()
+    ids = torch.randint(5, 64, (3, 32))
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, ::5] = ids[:, ::5]
+    out = model(ids, labels)
+    full = F.cross_entropy(model.logits(ids).transpose(1, 2), labels, ignore_index=IGNORE_INDEX)
+    assert torch.allclose(out.loss, full, atol=1e-5)
+    assert out.num_masked.item() == (labels != IGNORE_INDEX).sum().item()
+
+
+def test_mlm_decoder_is_tied_to_the_word_embeddings():
+    model = NystromformerForMaskedLM(model_config()).eval()
+    assert not any("decoder" in n for n, _ in model.named_parameters())
+    ids = torch.randint(8, 64, (2, 32))  # token 7 is not in the input, so only the decoder sees its row
+    before = model.logits(ids)
+    with torch.no_grad():
+        model.encoder.embeddings.word_embeddings.weight[7] += 1.0
+    after = model.logits(ids)
+    assert not torch.allclose(before[..., 7], after[..., 7])
+    assert torch.equal(before[..., 8:], after[..., 8:])
+
+
+def test_softmax_model_outputs_for_real_tokens_ignore_padding():
+    torch.manual_seed(1)
+    model = NystromformerForSequenceClassification(model_config(attn_type="softmax"), num_labels=3).eval()
+    ids = torch.randint(5, 64, (1, 20))
+    padded = torch.cat([ids, torch.ones(1, 12, dtype=torch.long)], dim=1)
+    mask = torch.cat([torch.ones(1, 20), torch.zeros(1, 12)], dim=1).long()
+    assert torch.allclose(model(ids), model(padded, attention_mask=mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_type", ["softmax", "nystrom"])
+def test_gradient_checkpointing_changes_memory_not_results(attn_type):
+    torch.manual_seed(2)
+    ids = torch.randint(5, 64, (2, 32))
+    labels = ids.clone()
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(3)
+        model = NystromformerForMaskedLM(model_config(attn_type=attn_type, attention_grad_checkpointing=ckpt,
+                                                      gelu_grad_checkpointing=ckpt))
+        model(ids, labels).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_attention_runs_in_fp32_under_autocast_when_configured():
+    seen = []
+    for fp32 in (True, False):
+        model = NystromformerForMaskedLM(model_config(attention_fp32=fp32))
+        attn = model.encoder.layers[0].attention.attn
+        handle = attn.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.logits(torch.randint(5, 64, (1, 32)))
+        handle.remove()
+    assert seen[0] == (torch.float32, torch.float32)
+    assert seen[1][0] == torch.bfloat16
+
+
+def test_regression_head_has_one_output_and_mse_loss():
+    model = NystromformerForSequenceClassification(model_config(), num_labels=1)
+    ids = torch.randint(5, 64, (4, 16))
+    scores = model(ids)
+    assert scores.shape == (4,)
+    target = torch.tensor([0.0, 1.5, 3.0, 5.0])
+    assert torch.allclose(model.loss(scores, target), F.mse_loss(scores, target))
+
+
+def test_token_types_and_lengths_up_to_max_seq_len():
+    model = NystromformerForMaskedLM(model_config(num_sen_type=2))
+    ids = torch.randint(5, 64, (2, 32))
+    types = torch.zeros_like(ids)
+    types[:, 16:] = 1
+    assert not torch.allclose(model.logits(ids, token_type_ids=types), model.logits(ids))
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len 32"):
+        model.logits(torch.randint(5, 64, (1, 33)))

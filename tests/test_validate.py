@@ -1,0 +1,70 @@
+"""Validation of pretraining checkpoints on the dev split."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nystromformer.checkpoint import CheckpointError
+from nystromformer.config import load_config
+from nystromformer.pretrain import pretrain
+from nystromformer.validate import validate
+
+from helpers import tiny_config, write_model_dir, write_synthetic_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def trained(tmp_path):
+    write_synthetic_data(tmp_path / "data")
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(epoch=2, learning_rate=3e-3, batches_per_epoch=25)
+    folder = write_model_dir(tmp_path / "run", cfg)
+    assert pretrain(load_config(folder), show_progress=False) == 0
+    return folder
+
+
+def test_every_unvalidated_checkpoint_is_validated_once_and_logged(trained):
+    cfg = load_config(trained)
+    first = validate(cfg)
+    assert [e["checkpoint"] for e in first] == ["cp-0000.model", "cp-0001.model"]
+    assert first[1]["loss"] < first[0]["loss"]
+    assert validate(cfg) == []  # nothing new
+    log = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
+    assert [e["epoch"] for e in log] == [0, 1]
+    assert all({"loss", "mlm_accu", "num_sequences"} <= set(e) for e in log)
+
+
+def test_validation_matches_the_end_of_epoch_dev_evaluation(trained):
+    cfg = load_config(trained)
+    (entry,) = validate(cfg, epochs=[1])
+    dev = [json.loads(line) for line in (trained / "model" / "pretrain_output.log").read_text().splitlines()
+           if json.loads(line)["type"] == "dev"]
+    assert entry["loss"] == pytest.approx(dev[1]["loss"], abs=1e-6)
+
+
+def test_a_missing_checkpoint_is_an_error_listing_the_available_ones(trained):
+    with pytest.raises(CheckpointError, match="no checkpoint cp-0007.model .* available checkpoints: 0, 1"):
+        validate(load_config(trained), epochs=[7])
+
+
+def test_command_line_entry_points_agree(trained):
+    script = subprocess.run([sys.executable, str(REPO / "code" / "run_validation.py"), "--model-dir", str(trained),
+                             "--checkpoint", "0"], capture_output=True, text=True)
+    assert script.returncode == 0, script.stderr
+    cli = subprocess.run([sys.executable, "-m", "nystromformer.cli", "validate", "--model-dir", str(trained),
+                          "--checkpoint", "0"], capture_output=True, text=True, cwd=REPO / "code")
+    assert cli.returncode == 0, cli.stderr
+    lines = (trained / "model" / "validation_output.log").read_text().splitlines()
+    assert json.loads(lines[0])["loss"] == json.loads(lines[1])["loss"]
+
+
+def test_dev_masks_do_not_depend_on_the_micro_batch_size(trained):
+    cfg = load_config(trained)
+    small = validate(cfg, epochs=[1], num_sequences=24)[0]
+    cfg.gpu_setting.inst_per_gpu = 5
+    other = validate(cfg, epochs=[1], num_sequences=24)[0]
+    assert small["num_masked"] == other["num_masked"]
+    assert small["loss"] == pytest.approx(other["loss"], abs=1e-6)
