@@ -1,0 +1,260 @@
+"""Partitions -> token shards in the format of ``nystromformer/shards.py``.
+
+Per input partition file (the unit of work and of resumption):
+- documents are encoded and concatenated, with ``</s>`` between consecutive documents (as RoBERTa's
+  FULL-SENTENCES packing: a sequence may cross a document boundary, the separator marks it);
+- the token stream is cut into contiguous blocks of ``seq_len - 2`` tokens, each wrapped as ``<s> block </s>``,
+  so every sequence has exactly ``seq_len`` ids; the tail shorter than a block is dropped (and counted);
+- each sequence draws two numbers from a generator seeded by (seed, dataset, file name): one keeps it with
+  probability = the dataset's sampling ratio, the other sends it to dev with probability ``dev_fraction``.
+  So the result does not depend on the number of workers or on which files were built in an earlier run;
+- its shards ``<dataset>--<part>-<split>-<k>.npy`` (at most ``shard_size`` rows) are written atomically, then a
+  manifest entry ``manifest/<dataset>--<part>.json``. A re-run skips files whose entry exists and whose source
+  is unchanged; an interrupted run redoes only the files without an entry.
+Finally ``train.json``/``dev.json``, ``meta.json`` and ``stats.json`` are (re)written only when they change, so a
+re-run of a finished build touches no file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from .. import atomic
+from ..shards import make_meta, write_meta, write_shard, write_split_index
+from ..tokenizer import load_tokenizer, special_token_ids
+from .partitions import partition_files
+from .tokenize import DocumentEncoder
+
+log = logging.getLogger("nystromformer.data")
+
+MANIFEST_DIR = "manifest"
+SHARD_SIZE = 16384  # sequences per shard: 16 MB at seq_len 512 (uint16), 128 MB at 4096
+# Paper's mixture: BookCorpus and Wikipedia whole, RealNews and Stories one third.
+PAPER_RATIOS = {"bookcorpus": 1.0, "wiki": 1.0, "realnews": 1 / 3, "stories": 1 / 3}
+
+
+class BuildError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    folder: Path
+    ratio: float = 1.0
+
+
+def parse_dataset(arg: str) -> DatasetSpec:
+    """``<partitions dir>[:<sampling ratio>]``; the dataset is named after the folder."""
+    folder, ratio = arg, 1.0
+    head, sep, tail = arg.rpartition(":")
+    if sep:
+        try:
+            folder, ratio = head, float(tail)
+        except ValueError:
+            pass  # a colon that is part of the path
+    if not 0 < ratio <= 1:
+        raise BuildError(f"{arg}: sampling ratio must be in (0, 1], got {ratio}")
+    return DatasetSpec(Path(folder).resolve().name, Path(folder), ratio)
+
+
+@dataclass(frozen=True)
+class Task:
+    dataset: str
+    ratio: float
+    source: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.dataset}--{self.source.stem}"
+
+    def fingerprint(self) -> dict:
+        stat = self.source.stat()
+        return {"file": str(self.source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Path, meta: dict,
+                               shard_size: int, dev_fraction: float, seed: int) -> dict:
+    """Encode one partition file into its shards; returns its manifest entry."""
+    seq_len, bos, eos = meta["max_seq_len"], meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
+    block = seq_len - 2
+    rng = np.random.default_rng([seed, zlib.crc32(task.key.encode())])
+    for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
+        old.unlink()
+    shards: Dict[str, List[str]] = {"train": [], "dev": []}
+    rows: Dict[str, List[np.ndarray]] = {"train": [], "dev": []}
+    stats = {"documents": 0, "tokens": 0, "sequences": 0, "sequences_sampled_out": 0, "tokens_dropped_tail": 0,
+             "train_sequences": 0, "dev_sequences": 0}
+
+    def flush(split: str, final: bool = False) -> None:
+        while rows[split] and (final or sum(len(r) for r in rows[split]) >= shard_size):
+            stacked = np.concatenate(rows[split])
+            name = f"{task.key}-{split}-{len(shards[split]):05d}.npy"
+            write_shard(output / name, stacked[:shard_size], meta)
+            shards[split].append(name)
+            rows[split] = [stacked[shard_size:]] if len(stacked) > shard_size else []
+
+    def emit(stream: np.ndarray) -> np.ndarray:
+        count = len(stream) // block
+        if count:
+            blocks = stream[: count * block].reshape(count, block)
+            sequences = np.empty((count, seq_len), dtype=meta["dtype"])
+            sequences[:, 0], sequences[:, 1:-1], sequences[:, -1] = bos, blocks, eos
+            draws = rng.random((count, 2))
+            keep = draws[:, 0] < task.ratio
+            to_dev = draws[:, 1] < dev_fraction
+            stats["sequences"] += count
+            stats["sequences_sampled_out"] += int((~keep).sum())
+            for split, chosen in (("train", keep & ~to_dev), ("dev", keep & to_dev)):
+                if chosen.any():
+                    rows[split].append(sequences[chosen])
+                    stats[f"{split}_sequences"] += int(chosen.sum())
+                    flush(split)
+        return stream[count * block:]
+
+    separator = np.array([eos], dtype=np.int64)
+    carry = np.empty(0, dtype=np.int64)
+    pending: List[np.ndarray] = []
+    pending_tokens = 0
+    for ids in encoder.encode_partition(task.source):
+        if stats["documents"]:
+            pending.append(separator)
+        pending.append(ids)
+        pending_tokens += len(ids) + 1
+        stats["documents"] += 1
+        stats["tokens"] += len(ids)
+        if pending_tokens >= 64 * block:  # cut in bulk: fewer, larger numpy operations
+            carry = emit(np.concatenate([carry, *pending]))
+            pending, pending_tokens = [], 0
+    carry = emit(np.concatenate([carry, *pending]))
+    stats["tokens_dropped_tail"] = len(carry)
+    flush("train", final=True)
+    flush("dev", final=True)
+    return {"dataset": task.dataset, "source": task.fingerprint(), "ratio": task.ratio, "shards": shards,
+            "shard_rows": {split: [np.load(output / n, mmap_mode="r").shape[0] for n in names]
+                           for split, names in shards.items()},
+            "stats": stats}
+
+
+# Worker processes (spawned, so no Rust thread pool is inherited across a fork) each load the tokenizer once.
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_path: str, output: str, meta: dict, options: dict) -> None:
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core already; no oversubscription
+    _worker.update(encoder=DocumentEncoder(load_tokenizer(tokenizer_path)), output=Path(output), meta=meta,
+                   options=options)
+
+
+def _run_in_worker(task: Task) -> tuple:
+    return task, encode_partition_to_shards(task, _worker["encoder"], _worker["output"], _worker["meta"],
+                                            **_worker["options"])
+
+
+def _write_json_if_changed(path: Path, obj) -> bool:
+    if path.is_file():
+        try:
+            if json.loads(path.read_text()) == json.loads(json.dumps(obj)):
+                return False
+        except json.JSONDecodeError:
+            pass
+    atomic.write_json(path, obj)
+    return True
+
+
+def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,
+                 shard_size: int = SHARD_SIZE, dev_fraction: float = 0.1, seed: int = 0, workers: int = 1,
+                 on_partition_done: Optional[Callable[[Task], None]] = None) -> dict:
+    """Build (or resume) a shard folder; returns the stats written to ``stats.json``."""
+    if seq_len < 3:
+        raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
+    if not 0 <= dev_fraction < 1:
+        raise BuildError(f"--dev-fraction must be in [0, 1), got {dev_fraction}")
+    names = [d.name for d in datasets]
+    if len(set(names)) != len(names):
+        raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
+    output = Path(output)
+    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+
+    tok = load_tokenizer(tokenizer)
+    meta = make_meta(seq_len, len(tok), str(tokenizer), special_token_ids(tok),
+                     datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, seed=seed,
+                     shard_size=shard_size)
+    existing = output / "meta.json"
+    if existing.is_file():
+        old = json.loads(existing.read_text())
+        changed = sorted(k for k in set(old) | set(meta) if old.get(k) != json.loads(json.dumps(meta)).get(k))
+        if changed:
+            raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
+                             f" build into a new folder or delete it")
+    else:
+        write_meta(output, meta)
+
+    tasks = [Task(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
+
+    def manifest_path(task: Task) -> Path:
+        return output / MANIFEST_DIR / f"{task.key}.json"
+
+    def finished(task: Task) -> bool:
+        path = manifest_path(task)
+        return path.is_file() and json.loads(path.read_text())["source"] == task.fingerprint()
+
+    pending = [t for t in tasks if not finished(t)]
+    log.info("%d of %d partition files to encode (%d already done)", len(pending), len(tasks),
+             len(tasks) - len(pending))
+    options = dict(shard_size=shard_size, dev_fraction=dev_fraction, seed=seed)
+
+    def record(task: Task, entry: dict) -> None:
+        atomic.write_json(manifest_path(task), entry)  # written after the shards: its presence means done
+        if on_partition_done is not None:
+            on_partition_done(task)
+
+    progress = tqdm(total=len(pending), desc=f"build-shards {seq_len}", unit=" partitions")
+    if pending and workers > 1:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(min(workers, len(pending)), _init_worker,
+                          (str(tokenizer), str(output), meta, options)) as pool:
+            for task, entry in pool.imap_unordered(_run_in_worker, pending):
+                record(task, entry)
+                progress.update()
+    elif pending:
+        encoder = DocumentEncoder(tok)
+        for task in pending:
+            record(task, encode_partition_to_shards(task, encoder, output, meta, **options))
+            progress.update()
+    progress.close()
+
+    # Assemble the split indexes and stats from the manifest, in input order (not completion order).
+    entries = [json.loads(manifest_path(t).read_text()) for t in tasks]
+    for split in ("train", "dev"):
+        files = [name for e in entries for name in e["shards"][split]]
+        rows = [r for e in entries for r in e["shard_rows"][split]]
+        expected = {"num_sequences": sum(rows),
+                    "shards": [{"file": f, "num_sequences": r} for f, r in zip(files, rows)]}
+        index = output / f"{split}.json"
+        if not index.is_file() or json.loads(index.read_text()) != expected:
+            write_split_index(output, split, files)
+    stats: dict = {"seq_len": seq_len, "datasets": {}}
+    for d in datasets:
+        totals: Dict[str, int] = {}
+        for e in entries:
+            if e["dataset"] == d.name:
+                for k, v in e["stats"].items():
+                    totals[k] = totals.get(k, 0) + v
+        stats["datasets"][d.name] = {"folder": str(d.folder), "sampling_ratio": d.ratio,
+                                     "partition_files": sum(e["dataset"] == d.name for e in entries), **totals}
+    stats["train_sequences"] = sum(s.get("train_sequences", 0) for s in stats["datasets"].values())
+    stats["dev_sequences"] = sum(s.get("dev_sequences", 0) for s in stats["datasets"].values())
+    _write_json_if_changed(output / "stats.json", stats)
+    log.info("%s: %d train and %d dev sequences of %d tokens", output, stats["train_sequences"],
+             stats["dev_sequences"], seq_len)
+    return stats

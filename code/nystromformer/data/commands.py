@@ -1,0 +1,100 @@
+"""``nystromformer`` subcommands of the data pipeline: extract-wiki, preprocess, train-tokenizer, build-shards."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+
+def cmd_extract_wiki(args) -> int:
+    from .wiki import extract_wiki
+    _logging()
+    return extract_wiki(args.dump, args.output, args.processes, args.bytes)
+
+
+def cmd_preprocess(args) -> int:
+    from .partitions import write_partitions
+    _logging()
+    files = expand_inputs(args.input, INPUT_PATTERNS[args.dataset])
+    if not files:
+        logging.error("no %s input files under %s (looked for %s)", args.dataset,
+                      " ".join(map(str, args.input)), INPUT_PATTERNS[args.dataset])
+        return 1
+    skips = SkipLog()
+    reader = READERS[args.dataset]
+    if args.dataset == "bookcorpus":
+        documents = reader(files, skips, sentences_per_document=args.sentences_per_document)
+    else:
+        documents = reader(files, skips)
+    min_words = MIN_WORDS[args.dataset] if args.min_words is None else args.min_words
+    write_partitions(documents, args.output, args.dataset, skips, args.words_per_partition, min_words,
+                     inputs=[str(f) for f in files])
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from .tokenize import train_tokenizer
+    _logging()
+    train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency)
+    return 0
+
+
+def cmd_build_shards(args) -> int:
+    from .build import build_shards, parse_dataset
+    _logging()
+    build_shards([parse_dataset(d) for d in args.datasets], args.output, args.tokenizer, args.seq_len,
+                 args.shard_size, args.dev_fraction, args.seed, args.workers)
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    from .build import SHARD_SIZE
+    from .partitions import WORDS_PER_PARTITION
+
+    p = subparsers.add_parser("extract-wiki", help="extract article text from a Wikipedia XML dump (wikiextractor)")
+    p.add_argument("--dump", type=Path, required=True, help="enwiki-*-pages-articles.xml.bz2")
+    p.add_argument("--output", type=Path, required=True, help="folder for wikiextractor's <doc> files")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--bytes", default="100M", help="size of each output file (wikiextractor --bytes)")
+    p.set_defaults(func=cmd_extract_wiki)
+
+    p = subparsers.add_parser("preprocess", help="read one corpus into plain-text partitions")
+    p.add_argument("dataset", choices=sorted(READERS))
+    p.add_argument("--input", type=Path, nargs="+", required=True,
+                   help="input files or folders (wiki: wikiextractor output; bookcorpus: books_large_p*.txt; "
+                        "stories: folder of .txt; realnews: realnews.jsonl)")
+    p.add_argument("--output", type=Path, required=True, help="partition folder")
+    p.add_argument("--words-per-partition", type=int, default=WORDS_PER_PARTITION)
+    p.add_argument("--min-words", type=int, default=None,
+                   help="drop shorter documents (default: wiki 128, realnews 1000, others 0)")
+    p.add_argument("--sentences-per-document", type=int, default=SENTENCES_PER_DOCUMENT,
+                   help="bookcorpus only: sentences grouped into one document")
+    p.set_defaults(func=cmd_preprocess)
+
+    p = subparsers.add_parser("train-tokenizer", help="train a byte-level BPE (RoBERTa special tokens)")
+    p.add_argument("--input", type=Path, nargs="+", required=True, help="partition folders")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=50265)
+    p.add_argument("--min-frequency", type=int, default=2)
+    p.set_defaults(func=cmd_train_tokenizer)
+
+    p = subparsers.add_parser("build-shards", help="tokenise partitions into fixed-length sequence shards")
+    p.add_argument("datasets", nargs="+", metavar="PARTITIONS_DIR[:RATIO]",
+                   help="partition folders, each with an optional sampling ratio in (0, 1] (paper: wiki and "
+                        "bookcorpus 1, realnews and stories 0.333)")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--tokenizer", default="roberta-base", help="tokenizer folder or cached Hugging Face name")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="sequences per shard")
+    p.add_argument("--dev-fraction", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="processes encoding partition files in parallel")
+    p.set_defaults(func=cmd_build_shards)

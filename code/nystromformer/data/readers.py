@@ -1,0 +1,185 @@
+"""One reader per corpus. Each turns its dataset's raw files into a stream of plain-text documents.
+
+Readers never crash on bad input: a malformed record is skipped and reported to a ``SkipLog``, which names the
+first few offenders (file:line) in the log and keeps totals for the stats file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence
+
+log = logging.getLogger("nystromformer.data")
+
+# Paper defaults: Wikipedia keeps articles of >= 128 words, RealNews >= 1000 words.
+MIN_WORDS = {"wiki": 128, "bookcorpus": 0, "stories": 0, "realnews": 1000}
+# BookCorpus files carry no book boundaries; see bookcorpus_documents for why 1000 sentences.
+SENTENCES_PER_DOCUMENT = 1000
+
+
+class SkipLog:
+    """Counts skipped input by reason and logs the first ``show`` offenders of each reason."""
+
+    def __init__(self, show: int = 5):
+        self.show = show
+        self.counts: Counter = Counter()
+        self.examples: Dict[str, List[str]] = {}
+
+    def skip(self, reason: str, where: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        shown = self.examples.setdefault(reason, [])
+        if len(shown) < self.show:
+            shown.append(f"{where}: {detail}" if detail else where)
+            log.warning("skipped (%s) %s%s", reason, where, f": {detail}" if detail else "")
+        elif self.counts[reason] == self.show + 1:
+            log.warning("more %r skips; only totals from now on (see the stats file)", reason)
+
+    def as_dict(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())), "first_examples": self.examples}
+
+
+def expand_inputs(inputs: Sequence[Path], pattern: str = "*") -> List[Path]:
+    """Files named directly, plus the files matching ``pattern`` below each named folder, in sorted order."""
+    files: List[Path] = []
+    for path in map(Path, inputs):
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob(pattern) if p.is_file() and not p.name.startswith(".")))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: input does not exist")
+    return files
+
+
+def _decoded_lines(path: Path, skips: SkipLog) -> Iterator[tuple]:
+    """(line number, text or None) for each line; None marks a line with undecodable bytes (already counted)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                skips.skip("undecodable_bytes", f"{path}:{number}", str(e))
+                yield number, None
+
+
+def _is_empty(path: Path, skips: SkipLog) -> bool:
+    if path.stat().st_size == 0:
+        skips.skip("empty_file", str(path))
+        return True
+    return False
+
+
+def _join_paragraphs(lines: Iterable[str]) -> str:
+    # A document keeps its line breaks but never contains a blank line: blank lines separate documents.
+    return "\n".join(line.strip() for line in lines if line.strip())
+
+
+DOC_OPEN = re.compile(r'^<doc id="[^"]*" url="[^"]*" title="[^"]*">$')
+
+
+def wiki_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
+    """wikiextractor output: ``<doc id=.. url=.. title=..>``, the title line, the text, ``</doc>``."""
+    for path in files:
+        if _is_empty(path, skips):
+            continue
+        body: Optional[List[str]] = None  # lines of the open document; None outside a document
+        start = 0
+        broken = False
+        for number, line in _decoded_lines(path, skips):
+            if line is None:  # undecodable bytes: drop the whole document they sit in
+                broken = True
+                continue
+            if line.startswith("<doc"):
+                if body is not None:
+                    skips.skip("malformed_doc_tag", f"{path}:{start}", "<doc> without </doc>")
+                if not DOC_OPEN.match(line):
+                    skips.skip("malformed_doc_tag", f"{path}:{number}", f"bad opening tag {line[:80]!r}")
+                    body = None
+                    start = number
+                    broken = True
+                    continue
+                body, start, broken = [], number, False
+            elif line == "</doc>":
+                if body is None:
+                    if not broken:
+                        skips.skip("malformed_doc_tag", f"{path}:{number}", "</doc> without <doc>")
+                elif not broken:
+                    yield _join_paragraphs(body[1:])  # body[0] is the title line
+                body, broken = None, False
+            elif body is not None:
+                body.append(line)
+        if body is not None:
+            skips.skip("malformed_doc_tag", f"{path}:{start}", "<doc> not closed at end of file")
+
+
+def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
+                         sentences_per_document: int = SENTENCES_PER_DOCUMENT) -> Iterator[str]:
+    """``books_large_p1.txt``-style files: one sentence per line, no book boundaries.
+
+    A document ends at a blank line (if a copy keeps book breaks as blank lines) or after
+    ``sentences_per_document`` sentences. Why a fixed count: the files hold ~74M sentences with no boundaries,
+    one document per file would be a multi-GB string, and documents only decide where the ``</s>`` separators
+    fall in the token stream; 1000 sentences (~13k words, a few chapters) keeps separators rare, like the
+    paper's book-level documents.
+    """
+    for path in files:
+        if _is_empty(path, skips):
+            continue
+        sentences: List[str] = []
+        for _, line in _decoded_lines(path, skips):
+            if line is None:
+                continue  # that one sentence is dropped (and counted)
+            if line.strip():
+                sentences.append(line)
+            if sentences and (not line.strip() or len(sentences) >= sentences_per_document):
+                yield _join_paragraphs(sentences)
+                sentences = []
+        if sentences:
+            yield _join_paragraphs(sentences)
+
+
+def stories_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
+    """A folder of story text files (Trinh & Le's CommonCrawl "Stories"), one document per file."""
+    for path in files:
+        if _is_empty(path, skips):
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = path.read_bytes()[: e.start].count(b"\n") + 1
+            skips.skip("undecodable_bytes", f"{path}:{line}", f"{e}; whole story skipped")
+            continue
+        document = _join_paragraphs(text.splitlines())
+        if not document:
+            skips.skip("empty_file", str(path), "only whitespace")
+            continue
+        yield document
+
+
+def realnews_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
+    """``realnews.jsonl``: one JSON object per line with the article in ``text``."""
+    for path in files:
+        if _is_empty(path, skips):
+            continue
+        for number, line in _decoded_lines(path, skips):
+            if line is None or not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                skips.skip("bad_json", f"{path}:{number}", str(e))
+                continue
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                skips.skip("missing_text", f"{path}:{number}", "no string 'text' field")
+                continue
+            yield _join_paragraphs(text.splitlines())
+
+
+READERS = {"wiki": wiki_documents, "bookcorpus": bookcorpus_documents,
+           "stories": stories_documents, "realnews": realnews_documents}
+# Which files each reader takes from a folder given as --input.
+INPUT_PATTERNS = {"wiki": "wiki_*", "bookcorpus": "*.txt", "stories": "*.txt", "realnews": "*.jsonl"}

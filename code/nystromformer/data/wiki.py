@@ -1,0 +1,37 @@
+"""Wikipedia extraction with the real ``wikiextractor`` package, run as a subprocess.
+
+A subprocess because WikiExtractor keeps module-level state (templates, options) and starts its own worker
+processes; running it in-process would leak that state into ours. Pinned to wikiextractor 3.1.0: 3.0.6 (the last
+upstream release before it) dies on Python >= 3.11 with ``re.error: global flags not at the start of the
+expression`` while compiling its patterns.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+log = logging.getLogger("nystromformer.data")
+
+
+def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_file: str = "100M") -> List[str]:
+    return [sys.executable, "-m", "wikiextractor.WikiExtractor", str(dump), "--output", str(output),
+            "--processes", str(processes), "--bytes", bytes_per_file]
+
+
+def extract_wiki(dump: Path, output: Path, processes: int = os.cpu_count() or 1,
+                 bytes_per_file: str = "100M") -> int:
+    """Extract ``<doc>`` files from a pages-articles dump into ``output/AA/wiki_00``, ...; returns the exit code."""
+    dump, output = Path(dump), Path(output)
+    if not dump.is_file():
+        raise FileNotFoundError(f"{dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
+    output.mkdir(parents=True, exist_ok=True)
+    command = extract_wiki_command(dump, output, processes, bytes_per_file)
+    log.info("running %s", " ".join(command))
+    result = subprocess.run(command)
+    if result.returncode != 0:
+        log.error("wikiextractor failed on %s with exit code %d", dump, result.returncode)
+    return result.returncode

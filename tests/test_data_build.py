@@ -1,0 +1,187 @@
+"""Tokeniser training and shard building: exact-length sequences, deterministic, idempotent, resumable."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nystromformer.data.build import BuildError, DatasetSpec, build_shards, parse_dataset
+from nystromformer.data.partitions import write_partitions
+from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
+from nystromformer.data.tokenize import train_tokenizer
+from nystromformer.shards import ShardedSequences
+from nystromformer.tokenizer import load_tokenizer, special_token_ids
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
+
+
+@pytest.fixture(scope="module")
+def partitions(tmp_path_factory):
+    """Fixture corpora as partition folders, several small partitions each."""
+    root = tmp_path_factory.mktemp("partitions")
+    for dataset in ("wiki", "bookcorpus", "stories", "realnews"):
+        files = expand_inputs([FIXTURES / dataset], INPUT_PATTERNS[dataset])
+        write_partitions(READERS[dataset](files, SkipLog()), root / dataset, dataset, SkipLog(),
+                         words_per_partition=150, min_words=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained_tokenizer(partitions, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer([partitions / d for d in ("wiki", "bookcorpus", "stories", "realnews")], out,
+                    vocab_size=400, min_frequency=1)
+    return out
+
+
+def test_trained_tokenizer_loads_with_roberta_special_token_ids(trained_tokenizer):
+    names = {p.name for p in trained_tokenizer.iterdir()}
+    assert {"vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json"} <= names
+    tok = load_tokenizer(trained_tokenizer)
+    assert len(tok) == 400
+    assert special_token_ids(tok) == {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 399}
+    text = "The ferry timetable changes twice a year."
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == text and max(ids) < 399
+    assert tok("<mask>", add_special_tokens=False).input_ids == [399]
+
+
+def shard_arrays(folder):
+    return {split: ShardedSequences(folder, split) for split in ("train", "dev")}
+
+
+def all_rows(folder, split):
+    data = ShardedSequences(folder, split)
+    return data.rows(np.arange(len(data)))
+
+
+def file_states(folder):
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def build(partitions, tokenizer, out, seq_len=32, datasets=("wiki", "bookcorpus", "stories", "realnews"), **kw):
+    specs = [parse_dataset(str(partitions / d)) if ":" not in d else parse_dataset(str(partitions) + "/" + d)
+             for d in datasets]
+    return build_shards(specs, out, str(tokenizer), seq_len=seq_len, shard_size=kw.pop("shard_size", 8), **kw)
+
+
+@pytest.mark.parametrize("seq_len", [16, 64])
+def test_every_sequence_has_seq_len_ids_wrapped_in_bos_eos_below_vocab_size(partitions, trained_tokenizer,
+                                                                             tmp_path, seq_len):
+    stats = build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["max_seq_len"] == seq_len and meta["vocab_size"] == 400 and meta["tokenizer"] == str(trained_tokenizer)
+    assert meta["special_tokens"] == {"bos": 0, "eos": 2, "pad": 1, "mask": 399, "unk": 3}
+    for split in ("train", "dev"):
+        rows = all_rows(tmp_path, split)
+        assert rows.shape[1] == seq_len and len(rows) == stats[f"{split}_sequences"] > 0
+        assert (rows[:, 0] == 0).all() and (rows[:, -1] == 2).all()
+        assert rows.min() >= 0 and rows.max() < 400
+        assert not np.isin(rows[:, 1:-1], [0, 1, 399]).any()  # no <s>, <pad> or <mask> inside blocks
+    for name, d in stats["datasets"].items():
+        assert d["sequences"] == d["train_sequences"] + d["dev_sequences"]
+        # tokens + separators between documents = full blocks + the dropped tail, per partition file
+        assert d["tokens"] + d["documents"] - d["partition_files"] == d["sequences"] * (seq_len - 2) + d["tokens_dropped_tail"]
+
+
+def test_sequences_are_contiguous_document_tokens_with_eos_between_documents(partitions, trained_tokenizer, tmp_path):
+    build(partitions, trained_tokenizer, tmp_path, datasets=("stories",), dev_fraction=0.0, shard_size=1000)
+    tok = load_tokenizer(trained_tokenizer)
+    from nystromformer.data.partitions import partition_files, read_partition
+    expected = []
+    for path in partition_files(partitions / "stories"):
+        stream = []
+        for i, doc in enumerate(read_partition(path)):
+            stream += ([2] if i else []) + tok(doc, add_special_tokens=False).input_ids
+        expected += stream[: len(stream) // 30 * 30]
+    rows = all_rows(tmp_path, "train")
+    assert rows[:, 1:-1].reshape(-1).tolist() == expected
+
+
+def test_shard_size_bounds_rows_per_shard(partitions, trained_tokenizer, tmp_path):
+    build(partitions, trained_tokenizer, tmp_path, shard_size=5)
+    index = json.loads((tmp_path / "train.json").read_text())
+    assert max(s["num_sequences"] for s in index["shards"]) == 5
+    assert index["num_sequences"] == sum(s["num_sequences"] for s in index["shards"])
+
+
+def test_dev_split_is_deterministic_about_a_tenth_and_depends_on_the_seed(partitions, trained_tokenizer, tmp_path):
+    a = build(partitions, trained_tokenizer, tmp_path / "a", seq_len=16)
+    b = build(partitions, trained_tokenizer, tmp_path / "b", seq_len=16, workers=1)
+    c = build(partitions, trained_tokenizer, tmp_path / "c", seq_len=16, seed=1)
+    assert np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "b", "dev"))
+    assert not np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "c", "dev"))
+    assert 0.05 < a["dev_sequences"] / (a["train_sequences"] + a["dev_sequences"]) < 0.15
+    assert a == b and a["train_sequences"] + a["dev_sequences"] == c["train_sequences"] + c["dev_sequences"]
+
+
+def test_sampling_ratio_keeps_a_seeded_subset_of_a_datasets_sequences(partitions, trained_tokenizer, tmp_path):
+    full = build(partitions, trained_tokenizer, tmp_path / "full", datasets=("realnews",), dev_fraction=0.0)
+    third = build(partitions, trained_tokenizer, tmp_path / "third", datasets=("realnews:0.333",), dev_fraction=0.0)
+    full_rows = {tuple(r) for r in all_rows(tmp_path / "full", "train")}
+    third_rows = [tuple(r) for r in all_rows(tmp_path / "third", "train")]
+    assert set(third_rows) <= full_rows
+    n = full["datasets"]["realnews"]["sequences"]
+    assert third["datasets"]["realnews"]["sampling_ratio"] == 0.333
+    assert 0.15 * n < len(third_rows) < 0.5 * n
+    assert third["datasets"]["realnews"]["sequences_sampled_out"] == n - len(third_rows)
+
+
+def test_invalid_sampling_ratios_and_changed_settings_are_refused(partitions, trained_tokenizer, tmp_path):
+    with pytest.raises(BuildError, match="ratio"):
+        parse_dataset(f"{partitions / 'wiki'}:1.5")
+    build(partitions, trained_tokenizer, tmp_path, seq_len=16)
+    with pytest.raises(BuildError, match="max_seq_len"):
+        build(partitions, trained_tokenizer, tmp_path, seq_len=32)
+
+
+def test_rerunning_a_finished_build_touches_no_file(partitions, trained_tokenizer, tmp_path):
+    build(partitions, trained_tokenizer, tmp_path)
+    before = file_states(tmp_path)
+    build(partitions, trained_tokenizer, tmp_path)
+    assert file_states(tmp_path) == before
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_build_resumes_to_the_same_arrays_as_an_uninterrupted_one(partitions, trained_tokenizer,
+                                                                                 tmp_path):
+    build(partitions, trained_tokenizer, tmp_path / "clean")
+    done = []
+
+    def stop_after_three(task):
+        done.append(task)
+        if len(done) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        build(partitions, trained_tokenizer, tmp_path / "resumed", on_partition_done=stop_after_three)
+    assert not (tmp_path / "resumed" / "train.json").exists()
+    finished = {p: s for p, s in file_states(tmp_path / "resumed").items() if str(p).startswith("wiki--part-00000")}
+    # Also lose one finished partition's manifest entry, as if the run died between its shards and its entry.
+    (tmp_path / "resumed" / "manifest" / "wiki--part-00001.json").unlink()
+    build(partitions, trained_tokenizer, tmp_path / "resumed")
+    for split in ("train", "dev"):
+        assert np.array_equal(all_rows(tmp_path / "clean", split), all_rows(tmp_path / "resumed", split))
+    after = file_states(tmp_path / "resumed")
+    assert finished and all(after[p] == s for p, s in finished.items())  # finished work was not redone
+    assert json.loads((tmp_path / "clean" / "stats.json").read_text()) == \
+        json.loads((tmp_path / "resumed" / "stats.json").read_text())
+
+
+def test_roberta_ids_from_the_build_match_the_tokenizer_called_directly(shared_dir, partitions, tmp_path):
+    roberta = shared_dir / "tokenizers" / "roberta-base"
+    build(partitions, roberta, tmp_path, seq_len=64, datasets=("wiki",), dev_fraction=0.0, shard_size=1000)
+    tok = load_tokenizer(roberta)
+    from nystromformer.data.partitions import partition_files, read_partition
+    expected = []
+    for path in partition_files(partitions / "wiki"):
+        stream = []
+        for i, doc in enumerate(read_partition(path)):
+            stream += ([tok.eos_token_id] if i else []) + tok(doc, add_special_tokens=False).input_ids
+        expected += stream[: len(stream) // 62 * 62]
+    assert all_rows(tmp_path, "train")[:, 1:-1].reshape(-1).tolist() == expected
