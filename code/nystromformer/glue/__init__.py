@@ -1,0 +1,1 @@
+"""GLUE fine-tuning: task readers, encoding, metrics, the fine-tuning loop, sweeps and submissions."""

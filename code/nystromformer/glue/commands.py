@@ -1,0 +1,148 @@
+"""``nystromformer glue`` and ``nystromformer glue-sweep`` (``code/run_glue.py`` is the first one).
+
+The paper's flags are kept as it spelled them (``--batch_size --lr --epoch --task --checkpoint``); each
+also has a dashed spelling.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from ..checkpoint import CheckpointError
+from ..config import ConfigError
+from ..shards import ShardError
+from ..tokenizer import TokenizerError
+from .finetune import FinetuneSettings, SettingsError, finetune
+from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
+from .tasks import TASKS, GlueDataError
+
+USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GlueDataError, ShardError, SettingsError)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", "--model_dir", default=".",
+                   help="model folder with config.json (default: the current directory)")
+    p.add_argument("--checkpoint", type=int, required=True, help="pretraining epoch N: starts from cp-N.model")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None,
+                   help="truncate inputs to this many tokens (default: the model's max_seq_len)")
+    p.add_argument("--warmup", type=float, default=0.06, help="fraction of steps warming up (default 0.06)")
+    p.add_argument("--weight-decay", "--weight_decay", type=float, default=0.01)
+    p.add_argument("--max-train-examples", "--max_train_examples", type=int, default=None,
+                   help="train on a fixed random subset of this size (quick runs)")
+    p.add_argument("--max-eval-examples", "--max_eval_examples", type=int, default=None,
+                   help="evaluate on a fixed random subset of each dev split (test splits stay complete)")
+    p.add_argument("--eval-batch-size", "--eval_batch_size", type=int, default=64)
+    p.add_argument("--no-submission", dest="submission", action="store_false",
+                   help="skip the test-set predictions")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+
+
+def add_glue_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (case and dash are ignored)")
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--batch_size", "--batch-size", type=int, default=32)
+    p.add_argument("--epoch", "--epochs", dest="epoch", type=int, default=PAPER_EPOCHS, help="epochs to train")
+    _add_common(p)
+
+
+def settings_from_args(args: argparse.Namespace, **overrides) -> FinetuneSettings:
+    values = dict(task=getattr(args, "task", None), checkpoint=args.checkpoint, lr=getattr(args, "lr", None),
+                  batch_size=getattr(args, "batch_size", None), epochs=args.epoch, seed=args.seed,
+                  max_seq_len=args.max_seq_len, warmup=args.warmup, weight_decay=args.weight_decay,
+                  max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
+                  submission=args.submission, eval_batch_size=args.eval_batch_size, device=args.device,
+                  progress=args.progress)
+    values.update(overrides)
+    return FinetuneSettings(**values)
+
+
+def settings_to_argv(s: FinetuneSettings) -> List[str]:
+    """The ``glue`` flags that reproduce ``s`` (how the sweep hands a run to a subprocess)."""
+    argv = ["--task", s.task, "--checkpoint", str(s.checkpoint), "--lr", repr(s.lr), "--batch_size",
+            str(s.batch_size), "--epoch", str(s.epochs), "--seed", str(s.seed), "--warmup", repr(s.warmup),
+            "--weight-decay", repr(s.weight_decay), "--eval-batch-size", str(s.eval_batch_size)]
+    for flag, value in (("--max_seq_len", s.max_seq_len), ("--max-train-examples", s.max_train_examples),
+                        ("--max-eval-examples", s.max_eval_examples), ("--device", s.device)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if not s.submission:
+        argv.append("--no-submission")
+    if not s.progress:
+        argv.append("--no-progress")
+    return argv
+
+
+def _user_error(e: Exception) -> int:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+def cmd_glue(args: argparse.Namespace) -> int:
+    try:
+        finetune(args.model_dir, settings_from_args(args))
+    except USER_ERRORS as e:
+        return _user_error(e)
+    return 0
+
+
+def _floats(text: str) -> List[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def cmd_glue_sweep(args: argparse.Namespace) -> int:
+    tasks = list(TASKS) if args.tasks.lower() == "all" else [t for t in args.tasks.split(",") if t]
+    devices = args.devices.split(",") if args.devices else None
+    if devices is None:
+        import torch
+        devices = [str(i) for i in range(torch.cuda.device_count())] or None
+    try:
+        base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
+        common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
+        # Parallel workers write to log files; bars from several processes would interleave.
+        if devices and len(devices) > 1:
+            common["progress"] = False
+        outcome = run_sweep(args.model_dir, grid(tasks, args.lrs, args.batch_sizes, **common), devices)
+    except USER_ERRORS as e:
+        return _user_error(e)
+    summary = outcome["summary"]
+    if summary["glue_average"] is not None:
+        print(f"GLUE average (best per task): {summary['glue_average'] * 100:.2f}; see {summary['markdown']}")
+    return 1 if outcome["failed"] else 0
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser("glue", help="fine-tune a pretraining checkpoint on one GLUE task",
+                              description="Fine-tune cp-N.model of a model folder on a GLUE task; see docs/glue.md.")
+    add_glue_arguments(p)
+    p.set_defaults(func=cmd_glue)
+
+    p = subparsers.add_parser("glue-sweep", help="the paper's GLUE grid (lr x batch size) with a summary",
+                              description="Fine-tune every (task, lr, batch size) of a grid and summarise the "
+                                          "best dev scores; finished runs are skipped. See docs/glue.md.")
+    p.add_argument("--tasks", "--task", default="all",
+                   help=f"comma-separated tasks, or 'all' ({', '.join(TASKS)}); default all")
+    p.add_argument("--lrs", type=_floats, default=list(PAPER_LRS),
+                   help="comma-separated learning rates (default 2e-5,3e-5,4e-5,5e-5)")
+    p.add_argument("--batch-sizes", "--batch_sizes", type=_ints, default=list(PAPER_BATCH_SIZES),
+                   help="comma-separated batch sizes (default 16,32)")
+    p.add_argument("--epoch", "--epochs", dest="epoch", type=int, default=PAPER_EPOCHS)
+    p.add_argument("--devices", default=None,
+                   help="comma-separated CUDA_VISIBLE_DEVICES values, one parallel run each "
+                        "(default: every visible GPU; sequential with fewer than two)")
+    _add_common(p)
+    p.set_defaults(func=cmd_glue_sweep)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``run_glue.py``: the ``glue`` command on its own."""
+    parser = argparse.ArgumentParser(prog="run_glue.py", description="Fine-tune a pretraining checkpoint on a "
+                                     "GLUE task (same as `nystromformer glue`); see docs/glue.md.")
+    add_glue_arguments(parser)
+    return cmd_glue(parser.parse_args(argv))

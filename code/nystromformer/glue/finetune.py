@@ -1,0 +1,308 @@
+"""Fine-tune a pretrained checkpoint on one GLUE task: the paper's ``run_glue.py``, without transformers'
+Trainer.
+
+One run = (task, checkpoint, lr, batch size, epochs). Everything it writes lives in the model folder's
+checkpoint dir (``model_checkpoints`` in config.json), named as the paper named its logs::
+
+    <checkpoint_dir>/glue-<task>-<checkpoint>-<lr>-<bs>-<epochs>.log     JSON lines, one per epoch
+    <checkpoint_dir>/glue/<task>-<checkpoint>-<lr>-<bs>-<epochs>/
+        best.model        fine-tuned weights of the best dev epoch
+        submission/*.tsv  test-set predictions of those weights, in the GLUE server's format
+        result.json       written last: a run with this file is complete (the sweep skips it)
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Union
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .. import atomic
+from ..checkpoint import find_model, load_pretrained_weights
+from ..config import Config, ConfigError, load_config
+from ..model import NystromformerForSequenceClassification
+from ..tokenizer import load_tokenizer
+from .encoding import EncodedDataset, PadCollator
+from .metrics import combine_dev_metrics, split_metrics, task_score
+from .submission import format_predictions, write_submission
+from .tasks import Example, GlueDataError, Task, get_task, read_ax, find_ax, read_split
+
+# Subsets (--max-train-examples) are drawn with this seed, not the run's, so every configuration of a
+# sweep trains and evaluates on the same examples.
+SUBSET_SEED = 0
+
+
+class SettingsError(ValueError):
+    """Impossible fine-tuning settings (a flag's value)."""
+
+
+@dataclass
+class FinetuneSettings:
+    task: str
+    checkpoint: int
+    lr: float = 2e-5
+    batch_size: int = 32
+    epochs: int = 5
+    seed: int = 42
+    max_seq_len: Optional[int] = None       # default: the model's max_seq_len
+    warmup: float = 0.06                    # fraction of all steps with a linearly rising learning rate
+    weight_decay: float = 0.01
+    max_train_examples: Optional[int] = None
+    max_eval_examples: Optional[int] = None  # dev examples per dev split (test splits are always complete)
+    submission: bool = True
+    eval_batch_size: int = 64
+    device: Optional[str] = None            # default: cuda if available, else cpu
+    progress: bool = True                   # tqdm bar over training batches
+
+    def __post_init__(self):
+        self.task = get_task(self.task).name
+        if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
+            raise SettingsError(f"need lr > 0, batch_size >= 1 and epochs >= 1 (got {self.lr}, "
+                             f"{self.batch_size}, {self.epochs})")
+        if not 0 <= self.warmup < 1:
+            raise SettingsError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup}")
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.task}-{self.checkpoint}-{self.lr:g}-{self.batch_size}-{self.epochs}"
+
+
+def run_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
+    return Path(checkpoint_dir) / "glue" / settings.run_name
+
+
+def log_path(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
+    return Path(checkpoint_dir) / f"glue-{settings.run_name}.log"
+
+
+def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
+    """The result of a finished run, or None when the run has not completed."""
+    path = run_dir(checkpoint_dir, settings) / "result.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def resolve_tokenizer(cfg: Config):
+    """config.json's ``tokenizer`` if set, else the one the pretraining data was built with."""
+    from ..shards import ShardError, read_meta
+
+    if cfg.tokenizer is not None:
+        return load_tokenizer(cfg.path(cfg.tokenizer))
+    try:
+        name = read_meta(cfg.data_dir)["tokenizer"]
+    except ShardError as e:
+        raise ConfigError(f"no tokenizer for GLUE: config.json has no \"tokenizer\" key and the data folder's "
+                          f"meta.json cannot tell ({e})") from None
+    # A relative path in meta.json is relative to the data folder.
+    candidate = cfg.data_dir / name
+    return load_tokenizer(candidate if candidate.is_dir() else name)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def subsample(examples: List[Example], limit: Optional[int]) -> List[Example]:
+    """A random subset of ``limit`` examples in file order (the file's head is often one class)."""
+    if limit is None or len(examples) <= limit:
+        return examples
+    keep = sorted(random.Random(SUBSET_SEED).sample(range(len(examples)), limit))
+    return [examples[i] for i in keep]
+
+
+def linear_warmup_decay(optimizer, total_steps: int, warmup_steps: int):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float):
+    # No weight decay on biases and LayerNorm weights, as BERT/RoBERTa fine-tuning does.
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-6)
+
+
+class Runner:
+    """Holds the model and device and knows how to move batches and run under autocast."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, mixed_precision: bool):
+        self.model = model.to(device)
+        self.device = device
+        self.amp = device.type == "cuda" and mixed_precision
+        self.amp_dtype = torch.bfloat16 if self.amp and torch.cuda.is_bf16_supported() else torch.float16
+        # A loss scaler is only needed for fp16.
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and self.amp_dtype == torch.float16)
+
+    def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
+            return self.model(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device),
+                              batch["token_type_ids"].to(self.device) if "token_type_ids" in batch else None)
+
+    @torch.no_grad()
+    def predict(self, loader: DataLoader) -> np.ndarray:
+        """Logits (n, classes), or scores (n,) for regression, in dataset order."""
+        self.model.eval()
+        outputs = [self.forward(batch).float().cpu() for batch in loader]
+        return torch.cat(outputs).numpy()
+
+
+def evaluate(runner: Runner, task: Task, loaders: Dict[str, DataLoader], labels: Dict[str, list]) -> Dict[str, float]:
+    per_split = {}
+    for split, loader in loaders.items():
+        outputs = runner.predict(loader)
+        predictions = outputs if task.is_regression else outputs.argmax(axis=-1)
+        per_split[split] = split_metrics(task.name, predictions, labels[split])
+    return combine_dev_metrics(per_split)
+
+
+def _load_examples(glue_dir: Path, task: Task, split: str, log) -> List[Example]:
+    result = read_split(glue_dir, task, split)
+    if result.report():
+        log(f"warning: {result.report()}")
+    if not result.examples:
+        raise GlueDataError(f"{result.path}: no usable examples")
+    return result.examples
+
+
+def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = print) -> dict:
+    """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
+
+    Returns the result dict also written to result.json: best_epoch, best_score, best_metrics (dev),
+    history (one entry per epoch), and the paths of the log, the best weights and the submission files.
+    """
+    cfg = load_config(model_dir)
+    task = get_task(settings.task)
+    checkpoint_dir = cfg.checkpoint_dir
+    pretrained = find_model(checkpoint_dir, settings.checkpoint)  # fail before the slow parts
+    tokenizer = resolve_tokenizer(cfg)
+    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    max_seq_len = settings.max_seq_len or cfg.model.max_seq_len
+
+    # Data: read everything first, so a bad file fails before any training.
+    glue_dir = cfg.glue_dir
+    train_examples = subsample(_load_examples(glue_dir, task, "train", log), settings.max_train_examples)
+    dev_examples = {split: subsample(_load_examples(glue_dir, task, split, log), settings.max_eval_examples)
+                    for split in task.dev}
+    with_token_types = cfg.model.num_sen_type > 1
+    collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
+    encode = lambda examples: EncodedDataset(examples, tokenizer, max_seq_len, with_token_types)  # noqa: E731
+
+    set_seed(settings.seed)
+    train_loader = DataLoader(encode(train_examples), batch_size=settings.batch_size, shuffle=True,
+                              collate_fn=collate, generator=torch.Generator().manual_seed(settings.seed))
+    dev_loaders = {split: DataLoader(encode(ex), batch_size=settings.eval_batch_size, collate_fn=collate)
+                   for split, ex in dev_examples.items()}
+    dev_labels = {split: [e.label for e in ex] for split, ex in dev_examples.items()}
+
+    # Model: the pretrained encoder plus a fresh head. Longer inputs than pretraining tile the positions.
+    model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(max_seq_len, cfg.model.max_seq_len))
+    model = NystromformerForSequenceClassification(model_cfg, task.num_labels)
+    load_pretrained_weights(model, pretrained, model_cfg.max_seq_len, log=log)
+    runner = Runner(model, device, cfg.model.mixed_precision)
+
+    total_steps = settings.epochs * len(train_loader)
+    optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
+    scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
+
+    out_dir = run_dir(checkpoint_dir, settings)
+    best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
+    log(f"fine-tuning {pretrained} on {task.name}: {len(train_examples)} train examples, "
+        f"{', '.join(f'{len(ex)} {s}' for s, ex in dev_examples.items())} dev examples, {total_steps} steps on {device}")
+
+    history: List[dict] = []
+    best: Optional[dict] = None
+    start = time.time()
+    for epoch in range(1, settings.epochs + 1):  # 1-based: "epoch 3" = after three passes
+        model.train()
+        loss_sum, batches = 0.0, 0
+        bar = tqdm(train_loader, desc=f"{task.name} epoch {epoch}/{settings.epochs}", leave=False,
+                   disable=not settings.progress)
+        for batch in bar:
+            logits = runner.forward(batch)
+            loss = model.loss(logits, batch["labels"].to(device))
+            optimizer.zero_grad(set_to_none=True)
+            runner.scaler.scale(loss).backward()
+            runner.scaler.step(optimizer)
+            runner.scaler.update()
+            scheduler.step()
+            loss_sum += loss.item()
+            batches += 1
+            bar.set_postfix(loss=f"{loss_sum / batches:.4f}")
+
+        metrics = evaluate(runner, task, dev_loaders, dev_labels)
+        entry = {"epoch": epoch, "train_loss": loss_sum / max(batches, 1), "dev": metrics,
+                 "score": task_score(metrics), "lr": scheduler.get_last_lr()[0],
+                 "elapsed_s": round(time.time() - start, 2)}
+        if best is None or entry["score"] > best["score"]:
+            best = entry
+            atomic.torch_save(best_path, {"model_state_dict": model.state_dict(), "task": task.name,
+                                          "num_labels": task.num_labels, "epoch": epoch, "dev": metrics,
+                                          "model_config": dataclasses.asdict(model_cfg),
+                                          "settings": dataclasses.asdict(settings)})
+        entry["best_score"] = best["score"]
+        history.append(entry)
+        # The whole log is rewritten each epoch: atomic, and a restarted run starts a fresh log.
+        atomic.write_text(log_file, "".join(json.dumps(h) + "\n" for h in history))
+        log(f"{task.name} epoch {epoch}/{settings.epochs}: train loss {entry['train_loss']:.4f}, dev "
+            + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    submission_files = []
+    if settings.submission:
+        weights = torch.load(best_path, map_location="cpu", weights_only=True)["model_state_dict"]
+        model.load_state_dict(weights)
+        submission_files = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len,
+                                                 with_token_types, settings.eval_batch_size, out_dir / "submission", log)
+
+    result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
+              "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
+              "history": history, "log": str(log_file), "best_weights": str(best_path),
+              "submission": [str(p) for p in submission_files]}
+    atomic.write_json(out_dir / "result.json", result)
+    log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
+    return result
+
+
+def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer, max_seq_len: int,
+                          with_token_types: bool, batch_size: int, out_dir: Path, log) -> List[Path]:
+    """Predict every test split of the task (and AX for MNLI); a missing test file is reported, not fatal."""
+    splits = {name: (lambda name=name: read_split(glue_dir, task, name)) for name in task.test}
+    if task.name == "MNLI" and find_ax(glue_dir) is not None:
+        splits["AX.tsv"] = lambda: read_ax(glue_dir)
+    written = []
+    collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
+    for file_name, read in splits.items():
+        try:
+            result = read()
+        except GlueDataError as e:
+            log(f"no {file_name} submission: {e}")
+            continue
+        if result.report():
+            log(f"warning: {result.report()} (no prediction for those rows)")
+        loader = DataLoader(EncodedDataset(result.examples, tokenizer, max_seq_len, with_token_types),
+                            batch_size=batch_size, collate_fn=collate)
+        predictions = format_predictions(task.labels, runner.predict(loader))
+        write_submission(out_dir / file_name, [e.index for e in result.examples], predictions)
+        written.append(out_dir / file_name)
+    if written:
+        log(f"wrote {', '.join(p.name for p in written)} to {out_dir}")
+    return written

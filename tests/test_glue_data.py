@@ -1,0 +1,150 @@
+"""GLUE readers, encoding and submission format: real files from ../shared/data/glue and our own fixtures
+in the official layout (tests/fixtures/glue) for the tasks not shipped there."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from nystromformer.glue.encoding import EncodedDataset, PadCollator
+from nystromformer.glue.submission import format_predictions, read_submission, write_submission
+from nystromformer.glue.tasks import TASKS, GlueDataError, get_task, read_ax, read_split, read_tsv, Columns
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "glue"
+
+
+@pytest.fixture
+def real_glue(shared_dir) -> Path:
+    glue = shared_dir / "data" / "glue"
+    if not glue.is_dir():
+        pytest.skip(f"needs the real GLUE files at {glue}")
+    return glue
+
+
+@pytest.fixture
+def roberta(shared_dir):
+    from nystromformer.tokenizer import load_tokenizer
+    return load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+
+
+def test_task_names_are_forgiving_about_case_and_dashes():
+    assert get_task("sst2").name == "SST-2"
+    assert get_task("STS-B").name == get_task("stsb").name == "STS-B"
+    assert get_task("mnli").num_labels == 3
+    assert get_task("sts-b").is_regression
+    with pytest.raises(GlueDataError, match="known tasks: CoLA"):
+        get_task("squad")
+
+
+# (task, split, number of examples, first example's text_a start, first label) of the official files.
+REAL_FILES = [
+    ("CoLA", "train", 8551, "Our friends won't buy this analysis", 1),
+    ("CoLA", "dev", 1043, "The sailors rode the breeze clear of the rocks.", 1),
+    ("SST-2", "train", 67349, "hide new secretions from the parental units", 0),
+    ("SST-2", "dev", 872, "it 's a charming and often affecting journey .", 1),
+    ("RTE", "train", 2490, "No Weapons of Mass Destruction Found in Iraq Yet.", 1),   # not_entailment
+    ("RTE", "dev", 277, "Dana Reeve, the widow of the actor Christopher Reeve", 1),
+    ("WNLI", "train", 635, "John couldn't see the stage with Billy in front of him", 1),
+    ("WNLI", "dev", 71, "The drain is clogged with hair. It has to be cleaned.", 0),
+    ("STS-B", "train", 5749, "A plane is taking off.", 5.0),
+    ("STS-B", "dev", 1500, "A man with a hard hat is dancing.", 5.0),
+]
+
+
+@pytest.mark.parametrize("task_name,split,count,first_text,first_label", REAL_FILES)
+def test_real_files_read_completely_with_known_first_rows(real_glue, task_name, split, count, first_text, first_label):
+    result = read_split(real_glue, TASKS[task_name], split)
+    assert result.malformed == []
+    assert len(result.examples) == count
+    first = result.examples[0]
+    assert first.text_a.startswith(first_text)
+    assert first.label == first_label
+
+
+def test_real_pairs_have_both_sentences(real_glue):
+    first = read_split(real_glue, TASKS["RTE"], "dev").examples[0]
+    assert first.text_b == "Christopher Reeve had an accident."
+    sts = read_split(real_glue, TASKS["STS-B"], "train").examples[1]
+    assert (sts.text_a, sts.text_b, sts.label) == ("A man is playing a large flute.", "A man is playing a flute.", 3.8)
+
+
+def test_real_test_splits_keep_their_index_and_have_no_labels(real_glue):
+    result = read_split(real_glue, TASKS["SST-2"], "SST-2.tsv")
+    assert len(result.examples) == 1821
+    assert result.examples[1].index == "1"
+    assert result.examples[0].text_a == "uneasy mishmash of styles and genres ."
+    assert all(e.label is None for e in result.examples)
+    assert len(read_split(real_glue, TASKS["CoLA"], "CoLA.tsv").examples) == 1063
+
+
+def test_fixture_tasks_read_with_labels_in_class_order():
+    mrpc = read_split(FIXTURES, TASKS["MRPC"], "train")
+    assert [e.label for e in mrpc.examples] == [1, 0, 1]
+    # Quotes inside the text are kept as they are (QUOTE_NONE), not parsed as CSV quoting.
+    assert mrpc.examples[0].text_a.startswith('Amrozi accused his brother , whom he called " the witness "')
+    qnli = read_split(FIXTURES, TASKS["QNLI"], "dev")
+    assert [e.label for e in qnli.examples] == [0, 1]          # entailment, not_entailment
+    mnli = read_split(FIXTURES, TASKS["MNLI"], "matched")
+    assert [e.label for e in mnli.examples] == [2, 0, 2]       # gold_label: neutral, contradiction, neutral
+    assert len(read_split(FIXTURES, TASKS["MNLI"], "mismatched").examples) == 2
+    assert [e.index for e in read_split(FIXTURES, TASKS["MNLI"], "MNLI-mm.tsv").examples] == ["0"]
+    assert len(read_ax(FIXTURES).examples) == 3
+
+
+def test_malformed_qqp_row_is_counted_and_named_not_dropped_silently():
+    result = read_split(FIXTURES, TASKS["QQP"], "train")
+    assert [e.index for e in result.examples] == ["133273", "402555", "360472"]
+    assert result.malformed == ["train.tsv:4: 4 fields, expected 6"]
+    assert "skipped 1 malformed row(s): train.tsv:4" in result.report()
+
+
+def test_unknown_labels_and_bad_scores_are_reported(tmp_path):
+    path = tmp_path / "dev.tsv"
+    path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n2\t\tb\tentailment\n")
+    result = read_tsv(path, Columns(text_a="sentence1", text_b="sentence2", label="label", index="index"),
+                      ["entailment", "not_entailment"])
+    assert len(result.examples) == 1
+    assert result.malformed == ["dev.tsv:3: unknown label 'maybe' (expected one of entailment, not_entailment)",
+                                "dev.tsv:4: empty text"]
+    path.write_text("index\tsentence1\tsentence2\tscore\n0\ta\tb\tfive\n")
+    result = read_tsv(path, Columns(text_a="sentence1", text_b="sentence2", label="score", index="index"), None)
+    assert result.malformed == ["dev.tsv:2: score 'five' is not a number"]
+
+
+def test_missing_file_and_wrong_header_are_clear_errors(tmp_path):
+    with pytest.raises(GlueDataError, match="missing GLUE file"):
+        read_split(tmp_path, TASKS["RTE"], "train")
+    (tmp_path / "RTE").mkdir()
+    (tmp_path / "RTE" / "train.tsv").write_text("id\tpremise\thypothesis\tlabel\n")
+    with pytest.raises(GlueDataError, match="no column 'sentence1'"):
+        read_split(tmp_path, TASKS["RTE"], "train")
+
+
+def test_pairs_are_encoded_as_the_tokenizer_pairs_them_and_padded_per_batch(roberta):
+    examples = read_split(FIXTURES, TASKS["MRPC"], "train").examples
+    data = EncodedDataset(examples, roberta, max_seq_len=16)
+    expected = roberta(examples[1].text_a, examples[1].text_b, truncation="longest_first", max_length=16)["input_ids"]
+    assert data[1]["input_ids"] == expected and len(expected) == 16
+    assert data[1]["input_ids"][0] == roberta.bos_token_id
+
+    short = EncodedDataset(read_split(FIXTURES, TASKS["QQP"], "dev").examples, roberta, max_seq_len=64)
+    batch = PadCollator(roberta.pad_token_id, regression=False)([short[0], short[1]])
+    lengths = [len(short[0]["input_ids"]), len(short[1]["input_ids"])]
+    assert batch["input_ids"].shape == (2, max(lengths))        # the batch's longest, not max_seq_len
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+    shorter = lengths.index(min(lengths))
+    assert (batch["input_ids"][shorter, min(lengths):] == roberta.pad_token_id).all()
+    assert batch["labels"].tolist() == [0, 0] and batch["labels"].dtype == torch.long
+
+    scores = PadCollator(roberta.pad_token_id, regression=True)([{"input_ids": [0, 2], "label": 3.8}])
+    assert scores["labels"].dtype == torch.float32
+
+
+def test_submission_format(tmp_path):
+    assert format_predictions(["entailment", "not_entailment"], torch.tensor([[0.1, 2.0], [3.0, -1.0]]).numpy()) == \
+        ["not_entailment", "entailment"]
+    assert format_predictions(["0", "1"], torch.tensor([[0.0, 1.0]]).numpy()) == ["1"]
+    # STS-B scores are clipped to the [0, 5] range of the labels.
+    assert format_predictions(None, torch.tensor([-0.4, 2.5, 7.0]).numpy()) == ["0.000", "2.500", "5.000"]
+    write_submission(tmp_path / "RTE.tsv", ["0", "1"], ["entailment", "not_entailment"])
+    assert (tmp_path / "RTE.tsv").read_text() == "index\tprediction\n0\tentailment\n1\tnot_entailment\n"
+    assert read_submission(tmp_path / "RTE.tsv") == [["0", "entailment"], ["1", "not_entailment"]]
