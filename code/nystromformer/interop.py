@@ -1,0 +1,499 @@
+"""Interop with Hugging Face transformers: export our checkpoints as transformers Nyströmformer folders, and
+import transformers Nyströmformer (or RoBERTa) weights as a warm start for our pipeline.
+
+    nystromformer export-hf --model-dir nystrom-512 --checkpoint 9 --output hf-nystrom-512
+    nystromformer export-hf --model-dir nystrom-512 --glue-weights nystrom-512/model/glue/.../best.model --output hf-sst2
+    nystromformer import-hf --input nystromformer-512 --model-dir nystrom-512-continued
+    nystromformer import-hf --input roberta-base --model-dir nystrom-4096 --max-seq-len 4096
+
+Export refuses (naming the option) any model that transformers would compute differently from us on the
+inputs it accepts; see docs/interop.md for the parameter mapping and transformers' known defects.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import atomic, checkpoint
+from .cli import add_subcommand
+from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config
+from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
+
+PathLike = Union[str, Path]
+# transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.
+HF_PINV_ITERATIONS = 6
+IMPORTED_WEIGHTS = "imported/hf-import.model"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json")
+
+
+class InteropError(ValueError):
+    """A model that cannot be exported/imported faithfully; the message names the option."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parameter names. Our layer-local names -> transformers' (identical for Nyströmformer and RoBERTa).
+_LAYER_KEYS = [
+    ("attention.query.", "attention.self.query."),
+    ("attention.key.", "attention.self.key."),
+    ("attention.value.", "attention.self.value."),
+    ("attention.attn.conv.", "attention.self.conv."),
+    ("attention.output.", "attention.output.dense."),
+    ("norm1.", "attention.output.LayerNorm."),
+    ("ffn.dense_in.", "intermediate.dense."),
+    ("ffn.dense_out.", "output.dense."),
+    ("norm2.", "output.LayerNorm."),
+]
+_EMBEDDING_KEYS = [
+    ("encoder.embeddings.word_embeddings.", "embeddings.word_embeddings."),
+    ("encoder.embeddings.position_embeddings.", "embeddings.position_embeddings."),
+    ("encoder.embeddings.token_type_embeddings.", "embeddings.token_type_embeddings."),
+    ("encoder.embeddings.norm.", "embeddings.LayerNorm."),
+]
+_HEAD_KEYS = {
+    "nystromformer": [("mlm_head.dense.", "cls.predictions.transform.dense."),
+                      ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+                      ("mlm_head.bias", "cls.predictions.bias"),
+                      ("classifier.dense.", "classifier.dense."),
+                      ("classifier.out_proj.", "classifier.out_proj.")],
+    # RoBERTa's classification head uses tanh (ours and transformers' Nyströmformer use GELU): not mapped.
+    "roberta": [("mlm_head.dense.", "lm_head.dense."),
+                ("mlm_head.norm.", "lm_head.layer_norm."),
+                ("mlm_head.bias", "lm_head.bias")],
+}
+_LAYER_RE = re.compile(r"^encoder\.layers\.(\d+)\.(.*)$")
+
+
+def hf_key(ours: str, family: str = "nystromformer") -> str:
+    """transformers' name of one of our parameters (``family``: ``nystromformer`` or ``roberta``)."""
+    base = f"{family}."
+    if m := _LAYER_RE.match(ours):
+        i, rest = m.groups()
+        for a, b in _LAYER_KEYS:
+            if rest.startswith(a):
+                return f"{base}encoder.layer.{i}.{b}{rest[len(a):]}"
+    for a, b in _EMBEDDING_KEYS:
+        if ours.startswith(a):
+            return base + b + ours[len(a):]
+    for a, b in _HEAD_KEYS[family]:
+        if ours.startswith(a):
+            return b + ours[len(a):]
+    raise InteropError(f"parameter {ours} has no {family} equivalent")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Export
+def check_exportable(mc: ModelConfig) -> List[str]:
+    """Raise InteropError naming the first option transformers cannot reproduce; return notes on options
+    that do not change the computation (to print)."""
+    notes = []
+    if mc.attn_type not in ("nystrom", "softmax"):
+        raise InteropError(f"model.attn_type: {mc.attn_type!r} has no transformers Nystromformer equivalent "
+                           f"(exportable: nystrom, softmax)")
+    exact = mc.attn_type == "softmax" or mc.num_landmarks >= mc.max_seq_len
+    if mc.embedding_dim != mc.transformer_dim:
+        raise InteropError(f"model.embedding_dim ({mc.embedding_dim}) != model.transformer_dim "
+                           f"({mc.transformer_dim}): transformers' Nystromformer has no embedding projection "
+                           f"(its embeddings and MLM head have width hidden_size)")
+    if not exact:
+        if mc.max_seq_len % mc.num_landmarks:
+            raise InteropError(
+                f"model.num_landmarks: max_seq_len {mc.max_seq_len} is not a multiple of num_landmarks "
+                f"{mc.num_landmarks}; our uneven segment means have no transformers equivalent (its segment "
+                f"means reshape segment_means_seq_len into num_landmarks equal segments)")
+        if mc.inv_coeff_init_option == "exact":
+            raise InteropError(
+                "model.inv_coeff_init_option: 'exact' has no working transformers equivalent (its "
+                "inv_coeff_init_option=True reads config['inv_init_coeff_option'] and crashes at construction)")
+        if mc.pinv_iterations != HF_PINV_ITERATIONS:
+            raise InteropError(f"model.pinv_iterations: {mc.pinv_iterations}; transformers always runs "
+                               f"{HF_PINV_ITERATIONS} pseudo-inverse iterations")
+    else:
+        if mc.attn_type == "nystrom" and (mc.inv_coeff_init_option != "original" or mc.pinv_iterations != 6):
+            notes.append("inv_coeff_init_option/pinv_iterations are unused (num_landmarks >= max_seq_len: "
+                         "exact softmax), exported as transformers' defaults")
+    if mc.attention_fp32:
+        notes.append("attention_fp32 has no transformers equivalent: identical in fp32; under autocast "
+                     "transformers computes attention in the autocast dtype")
+    if not exact:
+        notes.append(f"transformers' Nystrom path accepts only unpadded inputs of exactly {mc.max_seq_len} "
+                     f"tokens (segment_means_seq_len); shorter inputs crash or mix batch rows, padding masks "
+                     f"crash (see docs/interop.md)")
+    return notes
+
+
+def hf_config_kwargs(mc: ModelConfig, special_tokens: Optional[Dict[str, int]] = None) -> dict:
+    """NystromformerConfig arguments computing what our ``mc`` computes."""
+    exact = mc.attn_type == "softmax" or mc.num_landmarks >= mc.max_seq_len
+    special = special_tokens or {}
+    return dict(
+        vocab_size=mc.vocab_size, hidden_size=mc.transformer_dim, num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_head, intermediate_size=mc.transformer_hidden_dim,
+        hidden_act="gelu",  # exact erf GELU, as our F.gelu
+        hidden_dropout_prob=mc.dropout_prob, attention_probs_dropout_prob=mc.dropout_prob,  # (unused there)
+        # transformers' table has max_position_embeddings + 2 rows, positions 2..n+1: as ours.
+        max_position_embeddings=mc.max_seq_len, type_vocab_size=mc.num_sen_type,
+        # transformers takes its exact softmax path only when num_landmarks == segment_means_seq_len.
+        segment_means_seq_len=mc.max_seq_len, num_landmarks=mc.max_seq_len if exact else mc.num_landmarks,
+        # transformers 5 rejects conv_kernel_size=None: "no conv" is exported as a zero 1x1 conv.
+        conv_kernel_size=mc.conv_kernel_size if (mc.conv_kernel_size and mc.attn_type == "nystrom") else 1,
+        inv_coeff_init_option=False, layer_norm_eps=mc.layer_norm_eps, pad_token_id=mc.pad_token_id,
+        bos_token_id=special.get("bos", 0), eos_token_id=special.get("eos", 2), tie_word_embeddings=True,
+    )
+
+
+def to_hf_state_dict(state: Dict[str, torch.Tensor], mc: ModelConfig) -> Dict[str, torch.Tensor]:
+    out = {hf_key(k): v for k, v in state.items()}
+    if mc.conv_kernel_size is None or mc.attn_type != "nystrom":
+        for i in range(mc.num_layers):
+            out[f"nystromformer.encoder.layer.{i}.attention.self.conv.weight"] = torch.zeros(mc.num_head, 1, 1, 1)
+    if "cls.predictions.bias" in out:  # tied in transformers; give them explicitly so loading is strict
+        out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
+        out["cls.predictions.decoder.weight"] = out["nystromformer.embeddings.word_embeddings.weight"]
+    return out
+
+
+def build_hf_model(mc: ModelConfig, state: Dict[str, torch.Tensor], num_labels: Optional[int] = None,
+                   special_tokens: Optional[Dict[str, int]] = None):
+    """A transformers NystromformerForMaskedLM (or ...ForSequenceClassification when ``num_labels``) holding
+    our weights ``state``."""
+    import transformers
+
+    kwargs = hf_config_kwargs(mc, special_tokens)
+    if num_labels is not None:
+        kwargs["num_labels"] = num_labels
+        kwargs["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
+        cls = transformers.NystromformerForSequenceClassification
+    else:
+        cls = transformers.NystromformerForMaskedLM
+    config = transformers.NystromformerConfig(**kwargs)
+    config.architectures = [cls.__name__]
+    model = cls(config)
+    result = model.load_state_dict(to_hf_state_dict(state, mc), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise InteropError(f"weights do not fit transformers' {cls.__name__}: missing {result.missing_keys}, "
+                           f"unexpected {result.unexpected_keys}")
+    return model.eval()
+
+
+def resolve_tokenizer_dir(cfg: Config) -> Optional[Path]:
+    """config.json's ``tokenizer`` (relative to the model folder), else the data folder's meta.json tokenizer
+    (relative to the data folder, or as written); None when neither names an existing folder."""
+    if cfg.tokenizer is not None:
+        path = cfg.path(cfg.tokenizer)
+        return path if path.is_dir() else None
+    meta = cfg.data_dir / "meta.json"
+    try:
+        name = json.loads(meta.read_text())["tokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for candidate in (cfg.data_dir / name, Path(name).expanduser()):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _special_tokens(cfg: Config) -> Dict[str, int]:
+    try:
+        return dict(json.loads((cfg.data_dir / "meta.json").read_text())["special_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tensor], ModelConfig, int]:
+    """(state dict, model config, num_labels) of a fine-tuned NystromformerForSequenceClassification file."""
+    obj = checkpoint.load(path)
+    state = obj["model_state_dict"]
+    bad = [k for k in state if not k.startswith(("encoder.", "classifier."))]
+    if bad or "classifier.out_proj.weight" not in state:
+        raise InteropError(f"{path}: not sequence-classification weights (expected encoder.* and classifier.* "
+                           f"keys; found {bad[:1] or 'no classifier.out_proj.weight'})")
+    if isinstance(obj.get("model_config"), dict):
+        mc = config_from_dict({"model": obj["model_config"]}).model
+    else:  # the fine-tuning run may have tiled positions beyond the pretraining length
+        rows = state[checkpoint.POSITION_KEY].shape[0] - POSITION_OFFSET
+        mc = dataclasses.replace(cfg.model, max_seq_len=rows)
+    return state, mc, int(state["classifier.out_proj.weight"].shape[0])
+
+
+def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_weights: Optional[PathLike] = None,
+              num_labels: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
+    """Write a folder that ``transformers.AutoModelFor...from_pretrained`` loads: config.json, safetensors
+    weights and (when the model folder names one) the tokenizer."""
+    output = Path(output)
+    if glue_weights is not None:
+        state, mc, found = load_glue_weights(glue_weights, cfg)
+        if num_labels is not None and num_labels != found:
+            raise InteropError(f"--num-labels {num_labels}, but {glue_weights} has a {found}-label classifier")
+        num_labels = found
+        source = Path(glue_weights)
+    else:
+        if epoch is None:
+            raise InteropError("give --checkpoint N (cp-N.model) or --glue-weights PATH")
+        source = checkpoint.find_model(cfg.checkpoint_dir, epoch)
+        state, mc, num_labels = checkpoint.load(source)["model_state_dict"], cfg.model, None
+    for note in check_exportable(mc):
+        log(f"note: {note}")
+    model = build_hf_model(mc, state, num_labels, _special_tokens(cfg))
+    output.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(output), safe_serialization=True)
+    tok_dir = resolve_tokenizer_dir(cfg)
+    if tok_dir is None:
+        log("warning: no tokenizer found (config.json 'tokenizer' or the data folder's meta.json): exported "
+            "the weights only; copy the tokenizer files into the folder before using pipeline()")
+    else:
+        from .tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tok_dir)
+        tok.model_max_length = mc.max_seq_len
+        tok.save_pretrained(str(output))
+        for name in TOKENIZER_FILES:  # also the source files (vocab.json, merges.txt) for other readers
+            if (tok_dir / name).is_file() and not (output / name).exists():
+                shutil.copyfile(tok_dir / name, output / name)
+    log(f"exported {source} as transformers {model.__class__.__name__} to {output}")
+    return output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Import
+def read_hf_folder(folder: PathLike) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(config.json dict, state dict) of a transformers model folder: safetensors (single or sharded) or
+    pytorch_model.bin, read without instantiating the model."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise InteropError(f"{folder}: no config.json (is it a transformers model folder?)")
+    hf_cfg = json.loads((folder / "config.json").read_text())
+    state: Dict[str, torch.Tensor] = {}
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        state = load_file(str(folder / "model.safetensors"))
+    elif (folder / "model.safetensors.index.json").is_file():
+        from safetensors.torch import load_file
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        for shard in sorted(set(index["weight_map"].values())):
+            state.update(load_file(str(folder / shard)))
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise InteropError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    return hf_cfg, state
+
+
+def _check_activation(hf_cfg: dict, log) -> None:
+    act = hf_cfg.get("hidden_act", "gelu")
+    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        log(f"warning: hidden_act {act!r} is the tanh approximation of GELU; our model uses the exact erf GELU "
+            f"(outputs differ by ~1e-3 relative; fine as an initialisation)")
+    elif act != "gelu":
+        raise InteropError(f"hidden_act: {act!r} has no equivalent here (our model uses the exact GELU)")
+
+
+def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match_transformers: bool = False,
+                         log: Callable[[str], None] = print) -> ModelConfig:
+    """Our ModelConfig for a transformers NystromformerConfig dict. ``base`` supplies our options without a
+    transformers counterpart (mixed precision, checkpointing...)."""
+    base = base or ModelConfig()
+    _check_activation(hf_cfg, log)
+    hidden, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
+    max_len = hf_cfg["max_position_embeddings"]
+    m, seg = hf_cfg.get("num_landmarks", 64), hf_cfg.get("segment_means_seq_len", 64)
+    if m == seg and seg < max_len:
+        # The released uw-madison/nystromformer-512 config: segment_means_seq_len 64 (= num_landmarks) where the
+        # sequence length (512) was meant, so transformers runs it with exact softmax attention.
+        if match_transformers:
+            log(f"note: num_landmarks == segment_means_seq_len == {m} < max_position_embeddings {max_len}: "
+                f"transformers computes exact softmax attention; importing as such (num_landmarks = max_seq_len)")
+            num_landmarks = max_len
+        else:
+            log(f"note: num_landmarks == segment_means_seq_len == {m} < max_position_embeddings {max_len}: the "
+                f"swapped keys of the released config (segment_means_seq_len should be the sequence length). "
+                f"transformers therefore computes exact softmax attention, but the model was pretrained with "
+                f"{m} Nystrom landmarks: importing num_landmarks={m} (pass --match-transformers for exact "
+                f"softmax, as transformers computes)")
+            num_landmarks = m
+    elif m == seg:
+        num_landmarks = max_len  # transformers' exact path: our num_landmarks >= max_seq_len is exact too
+    else:
+        if seg != max_len:
+            log(f"warning: segment_means_seq_len {seg} != max_position_embeddings {max_len}: transformers only "
+                f"accepts inputs of {seg} tokens; importing max_seq_len {max_len}")
+        num_landmarks = m
+    kernel = hf_cfg.get("conv_kernel_size", 65)
+    return dataclasses.replace(
+        base, vocab_size=hf_cfg["vocab_size"], num_sen_type=hf_cfg.get("type_vocab_size", 2), max_seq_len=max_len,
+        embedding_dim=hidden, transformer_dim=hidden, transformer_hidden_dim=hf_cfg["intermediate_size"],
+        num_layers=hf_cfg["num_hidden_layers"], dropout_prob=hf_cfg.get("hidden_dropout_prob", 0.1),
+        num_head=heads, head_dim=hidden // heads, attn_type="nystrom", num_landmarks=num_landmarks,
+        conv_kernel_size=kernel, inv_coeff_init_option="exact" if hf_cfg.get("inv_coeff_init_option") else "original",
+        pinv_iterations=HF_PINV_ITERATIONS, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
+        pad_token_id=hf_cfg.get("pad_token_id", 1) if hf_cfg.get("pad_token_id") is not None else 1)
+
+
+def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[str], None] = print) -> ModelConfig:
+    """Our ModelConfig for RoBERTa weights: dimensions from RoBERTa; attention type, landmarks, conv and
+    max_seq_len from ``base`` (our config.json / flags)."""
+    _check_activation(hf_cfg, log)
+    hidden, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
+    return dataclasses.replace(
+        base, vocab_size=hf_cfg["vocab_size"], num_sen_type=hf_cfg.get("type_vocab_size", 1),
+        embedding_dim=hidden, transformer_dim=hidden, transformer_hidden_dim=hf_cfg["intermediate_size"],
+        num_layers=hf_cfg["num_hidden_layers"], dropout_prob=hf_cfg.get("hidden_dropout_prob", 0.1),
+        num_head=heads, head_dim=hidden // heads, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
+        pad_token_id=hf_cfg.get("pad_token_id", 1))
+
+
+def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, family: str,
+                       log: Callable[[str], None] = print) -> Dict[str, torch.Tensor]:
+    """Our full MLM state dict: mapped weights where transformers has them, our initialisation elsewhere
+    (reported). A zero 1x1 conv (our export of "no conv") is dropped when ``mc`` has no conv."""
+    model = NystromformerForMaskedLM(mc)
+    own = model.state_dict()
+    # A bare NystromformerModel/RobertaModel is saved without the family prefix.
+    if not any(k.startswith(f"{family}.") for k in hf_state):
+        hf_state = {f"{family}.{k}" if not k.startswith(("cls.", "lm_head.", "classifier.")) else k: v
+                    for k, v in hf_state.items()}
+    out, missing, used = {}, [], set()
+    for k, v in own.items():
+        try:
+            name = hf_key(k, family)
+        except InteropError:  # a parameter of another attention type (e.g. Linformer's projections)
+            name = None
+        if name in hf_state:
+            w = hf_state[name]
+            if k == checkpoint.POSITION_KEY and w.shape[0] > v.shape[0]:
+                w = w[:v.shape[0]]  # positions 2..max_seq_len+1 use the first rows only
+            elif k == checkpoint.POSITION_KEY and w.shape[0] < v.shape[0]:
+                w = checkpoint.extend_position_embeddings({k: w}, mc.max_seq_len)[k]
+            if w.shape != v.shape:
+                raise InteropError(f"{name} has shape {tuple(w.shape)}, our {k} expects {tuple(v.shape)}")
+            out[k] = w.to(v.dtype).clone()
+            used.add(name)
+        else:
+            out[k] = v
+            missing.append(k)
+    unused = [k for k in hf_state if k not in used and not k.endswith(("position_ids", "token_type_ids"))
+              and not k.startswith(("cls.predictions.decoder.", "lm_head.decoder."))]
+    dropped_conv = [k for k in unused if k.endswith("attention.self.conv.weight") and not hf_state[k].any()]
+    unused = [k for k in unused if k not in dropped_conv]
+    if missing:
+        log(f"not in the transformers weights (left at our initialisation): {', '.join(missing)}")
+    if unused:
+        log(f"transformers weights not used: {', '.join(unused)}")
+    return out
+
+
+def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool = False,
+              overrides: Optional[dict] = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Write ``<model_dir>/imported/hf-import.model`` from a transformers Nyströmformer or RoBERTa folder, and
+    config.json with the model section and ``from_cp`` pointing at it (other keys kept or defaulted)."""
+    model_dir = Path(model_dir)
+    hf_cfg, hf_state = read_hf_folder(input_dir)
+    family = hf_cfg.get("model_type")
+    existing = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
+    base_cfg = config_from_dict({**existing, "model": {**existing.get("model", {}), **(overrides or {})}}, model_dir)
+    if family == "nystromformer":
+        mc = model_config_from_hf(hf_cfg, base_cfg.model, match_transformers, log)
+        convs = [v for k, v in hf_state.items() if k.endswith("attention.self.conv.weight")]
+        if mc.conv_kernel_size == 1 and convs and not any(c.any() for c in convs):
+            mc = dataclasses.replace(mc, conv_kernel_size=None)  # our export of "no conv"
+        # explicit flags win over the transformers config (e.g. a different attention for continued training)
+        mc = dataclasses.replace(mc, **(overrides or {}))
+    elif family in ("roberta", "xlm-roberta"):
+        family = "roberta"
+        mc = model_config_from_roberta(hf_cfg, base_cfg.model, log)
+        roberta_len = hf_cfg["max_position_embeddings"] - POSITION_OFFSET
+        if mc.max_seq_len % roberta_len and mc.max_seq_len > roberta_len:
+            raise InteropError(f"model.max_seq_len {mc.max_seq_len} must be a multiple of RoBERTa's length "
+                               f"{roberta_len} (or at most it) to tile its position embeddings")
+    else:
+        raise InteropError(f"{input_dir}: model_type {family!r}; import-hf reads nystromformer or roberta folders")
+    data = {**existing, "model": dataclasses.asdict(mc)}
+    cfg = config_from_dict(data, model_dir)  # validates
+    state = from_hf_state_dict(hf_state, mc, family, log)
+    if checkpoint.resumable_checkpoints(cfg.checkpoint_dir, cfg.pretraining_setting.batches_per_epoch) and not force:
+        raise InteropError(f"{cfg.checkpoint_dir} already has resumable checkpoints: pretraining would resume "
+                           f"from them and ignore from_cp (use another --model-dir, or --force)")
+    target = model_dir / IMPORTED_WEIGHTS
+    atomic.torch_save(target, {"model_state_dict": state, "epoch": -1, "step": 0,
+                               "config": cfg.to_dict(), "source": str(Path(input_dir).resolve())})
+    data["from_cp"] = IMPORTED_WEIGHTS
+    atomic.write_json(model_dir / "config.json", data)
+    log(f"imported {input_dir} ({family}) to {target}; config.json from_cp = {IMPORTED_WEIGHTS}")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Commands
+EXPORT_DOC = """Export a checkpoint as a transformers Nystromformer folder (config.json, model.safetensors, tokenizer).
+
+    nystromformer export-hf --model-dir nystrom-512 --checkpoint 9 --output hf-nystrom-512
+    nystromformer export-hf --model-dir nystrom-512 --glue-weights PATH/best.model --output hf-sst2
+
+Refuses, naming the option, a model that transformers would compute differently (docs/interop.md)."""
+
+IMPORT_DOC = """Import transformers Nystromformer or RoBERTa weights as a warm start for pretraining/fine-tuning.
+
+Writes <model-dir>/imported/hf-import.model and config.json (model section from the transformers config,
+other keys kept when config.json exists) with from_cp pointing at the imported weights.
+
+    nystromformer import-hf --input nystromformer-512 --model-dir nystrom-512-continued
+    nystromformer import-hf --input roberta-base --model-dir nystrom-4096 --max-seq-len 4096 --num-landmarks 64"""
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", default=".", help="model folder holding config.json (default: current directory)")
+    p.add_argument("--checkpoint", type=int, default=None, help="epoch N of cp-N.model to export")
+    p.add_argument("--glue-weights", default=None,
+                   help="fine-tuned sequence-classification weights (a file with model_state_dict) to export "
+                        "as NystromformerForSequenceClassification")
+    p.add_argument("--num-labels", type=int, default=None, help="expected number of labels (checked)")
+    p.add_argument("--output", required=True, help="folder to write")
+
+
+def add_import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", required=True, help="transformers folder (Nystromformer or RoBERTa)")
+    p.add_argument("--model-dir", required=True, help="our model folder to write (config.json kept if present)")
+    p.add_argument("--match-transformers", action="store_true",
+                   help="for configs with num_landmarks == segment_means_seq_len (e.g. the released "
+                        "nystromformer-512): compute exact softmax, as transformers does")
+    p.add_argument("--max-seq-len", type=int, default=None, help="model.max_seq_len (positions are tiled)")
+    p.add_argument("--attn-type", choices=("nystrom", "softmax"), default=None)
+    p.add_argument("--num-landmarks", type=int, default=None)
+    p.add_argument("--conv-kernel-size", type=int, default=None)
+    p.add_argument("--force", action="store_true", help="import even if the folder has resumable checkpoints")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    try:
+        export_hf(load_config(args.model_dir), args.output, args.checkpoint, args.glue_weights, args.num_labels)
+        return 0
+    except (ConfigError, InteropError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_import(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("attn_type", args.attn_type),
+                                   ("num_landmarks", args.num_landmarks),
+                                   ("conv_kernel_size", args.conv_kernel_size)) if v is not None}
+    try:
+        import_hf(args.input, args.model_dir, args.match_transformers, overrides, args.force)
+        return 0
+    except (ConfigError, InteropError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "export-hf", "export a checkpoint as a transformers Nystromformer folder",
+                   EXPORT_DOC, add_export_arguments, run_export)
+    add_subcommand(subparsers, "import-hf", "import transformers Nystromformer/RoBERTa weights (warm start)",
+                   IMPORT_DOC, add_import_arguments, run_import)

@@ -1,0 +1,333 @@
+"""transformers interop: our model and transformers' Nyströmformer compute the same function where their
+semantics coincide, export/import preserve weights, and options transformers cannot reproduce are refused."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import tiny_config, write_model_dir  # noqa: E402
+from nystromformer import atomic, checkpoint  # noqa: E402
+from nystromformer.cli import main  # noqa: E402
+from nystromformer.config import ModelConfig, config_from_dict, load_config  # noqa: E402
+from nystromformer.interop import (InteropError, build_hf_model, check_exportable, export_hf,  # noqa: E402
+                                   import_hf)
+from nystromformer.model import NystromformerForMaskedLM, NystromformerForSequenceClassification  # noqa: E402
+
+ATOL = 1e-5
+SEQ = 32  # tiny_config's max_seq_len
+
+
+def model_config(**overrides) -> ModelConfig:
+    return config_from_dict(tiny_config(**overrides)).model
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Random weights away from the init (non-zero biases, LayerNorm gains != 1), so every parameter matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.1 * noise if "norm" in name.lower() and name.endswith("weight") else 0.1 * noise)
+    return model.eval()
+
+
+def ours(seed=0, **overrides) -> NystromformerForMaskedLM:
+    return randomize(NystromformerForMaskedLM(model_config(**overrides)), seed)
+
+
+def token_ids(batch=2, n=SEQ, seed=1, vocab=64):
+    return torch.randint(5, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+SETTINGS = {
+    "softmax-equivalent (landmarks = length)": dict(num_landmarks=SEQ, conv_kernel_size=5),
+    "nystrom with conv": dict(num_landmarks=8, conv_kernel_size=5),
+    "nystrom without conv": dict(num_landmarks=8, conv_kernel_size=None),
+    "attn_type softmax": dict(attn_type="softmax", conv_kernel_size=None),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_transformers_computes_our_function_on_unpadded_full_length_inputs(setting):
+    model = ours(**SETTINGS[setting])
+    hf = build_hf_model(model.config, model.state_dict())
+    ids = token_ids()
+    with torch.no_grad():
+        hidden = model.encoder(ids)
+        hf_hidden = hf.nystromformer(ids).last_hidden_state
+        torch.testing.assert_close(hf_hidden, hidden, atol=ATOL, rtol=0)
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=ATOL, rtol=0)
+        # an all-ones attention mask is the same as none, on both sides
+        ones = torch.ones_like(ids)
+        torch.testing.assert_close(hf(ids, attention_mask=ones).logits, model.logits(ids, ones), atol=ATOL, rtol=0)
+
+
+def test_position_table_sizes_agree():
+    model = ours()
+    hf = build_hf_model(model.config, model.state_dict())
+    assert hf.config.max_position_embeddings == SEQ
+    assert hf.nystromformer.embeddings.position_embeddings.weight.shape[0] == SEQ + 2
+    assert model.encoder.embeddings.position_embeddings.weight.shape[0] == SEQ + 2
+
+
+def padded_batch():
+    ids = token_ids()
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    ids[1, 20:] = 1
+    return ids, mask
+
+
+def test_padding_agrees_on_real_tokens_in_the_exact_path_without_conv():
+    model = ours(num_landmarks=SEQ, conv_kernel_size=None)
+    hf = build_hf_model(model.config, model.state_dict())
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        a, b = model.logits(ids, mask), hf(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(b[real], a[real], atol=ATOL, rtol=0)
+
+
+def test_padding_differs_near_padding_with_conv_because_we_zero_padded_values():
+    """Documented difference: we convolve V * mask, transformers convolves V including padded positions.
+    One layer, so the difference stays where the conv window reaches the padding."""
+    model = ours(num_landmarks=SEQ, conv_kernel_size=5, num_layers=1)
+    hf = build_hf_model(model.config, model.state_dict())
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        a, b = model.logits(ids, mask), hf(ids, attention_mask=mask).logits
+    diff = (a - b).abs().amax(dim=-1)
+    assert diff[0].max() < ATOL                   # the unpadded row agrees
+    assert diff[1, :18].max() < ATOL              # tokens further than kernel//2 from the padding agree
+    assert diff[1, 18:20].min() > 1e-3            # the conv window of tokens 18, 19 reaches the padding
+
+
+def test_transformers_nystrom_path_rejects_padding_masks_and_mixes_rows_of_short_inputs():
+    """Documented transformers defects of the Nyström path (segment_means_seq_len is a fixed length)."""
+    model = ours(num_landmarks=8, conv_kernel_size=5)
+    hf = build_hf_model(model.config, model.state_dict())
+    ids, mask = padded_batch()
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        hf(ids, attention_mask=mask)
+    # Shorter inputs: its reshape folds the batch into the segments, so row 0 depends on row 1.
+    short = token_ids(n=16)
+    other = short.clone()
+    other[1] = token_ids(batch=1, n=16, seed=7)[0]
+    with torch.no_grad():
+        hf_changed = (hf(short).logits[0] - hf(other).logits[0]).abs().max()
+        ours_changed = (model.logits(short)[0] - model.logits(other)[0]).abs().max()
+        hf_vs_ours = (hf(short).logits - model.logits(short)).abs().max()
+    assert hf_vs_ours > 1e-2
+    # (ours depends on batch mates only through the batch-wide pinv init scale of init "original")
+    assert hf_changed > 10 * ours_changed
+
+
+def write_checkpoint(tmp_path, model, name="m", **config_extra):
+    cfg = tiny_config(**{k: v for k, v in dataclasses.asdict(model.config).items()})
+    cfg.update(config_extra)
+    folder = write_model_dir(tmp_path / name, cfg)
+    atomic.torch_save(folder / "model" / "cp-0000.model", {"model_state_dict": model.state_dict(), "epoch": 0,
+                                                           "step": 4})
+    return folder
+
+
+def test_export_loads_with_from_pretrained_and_gives_our_logits(tmp_path):
+    model = ours(num_landmarks=8, conv_kernel_size=5)
+    folder = write_checkpoint(tmp_path, model)
+    logs = []
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert any("no tokenizer found" in line for line in logs)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "NystromformerForMaskedLM"
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=ATOL, rtol=0)
+
+
+def test_fill_mask_pipeline_runs_on_an_exported_model(tmp_path, shared_dir):
+    tok_dir = shared_dir / "tokenizers" / "roberta-base"
+    if not tok_dir.is_dir():
+        pytest.skip(f"no tokenizer at {tok_dir}")
+    model = ours(vocab_size=50265, num_landmarks=SEQ)
+    folder = write_checkpoint(tmp_path, model, tokenizer=str(tok_dir))
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0)
+    assert (out / "vocab.json").is_file() and (out / "merges.txt").is_file()
+    fill = transformers.pipeline("fill-mask", model=str(out), tokenizer=str(out), device="cpu")
+    text = "The capital of France is <mask>."
+    predictions = fill(text)
+    assert len(predictions) == 5 and all("<mask>" not in p["sequence"] for p in predictions)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    enc = tok(text, return_tensors="pt")
+    position = (enc["input_ids"][0] == tok.mask_token_id).nonzero()[0, 0]
+    with torch.no_grad():
+        expected = model.logits(enc["input_ids"], enc["attention_mask"])[0, position].argmax().item()
+    assert predictions[0]["token"] == expected
+
+
+@pytest.mark.parametrize("conv", [5, None])
+def test_export_then_import_is_identity_on_the_state_dict(tmp_path, conv):
+    model = ours(num_landmarks=8, conv_kernel_size=conv)
+    folder = write_checkpoint(tmp_path, model)
+    export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    target = import_hf(tmp_path / "hf", tmp_path / "back", log=lambda s: None)
+    back = checkpoint.load(target)["model_state_dict"]
+    original = model.state_dict()
+    assert back.keys() == original.keys()
+    for k in original:
+        assert torch.equal(back[k], original[k]), k
+    cfg = load_config(tmp_path / "back")
+    assert cfg.model.conv_kernel_size == conv and cfg.model.num_landmarks == 8
+    assert cfg.path(cfg.from_cp) == target
+
+
+def hf_nystromformer(tmp_path, **kwargs):
+    config = transformers.NystromformerConfig(**{**dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        hidden_act="gelu", max_position_embeddings=SEQ, segment_means_seq_len=SEQ, num_landmarks=8,
+        conv_kernel_size=5, type_vocab_size=2), **kwargs})
+    hf = randomize(transformers.NystromformerForMaskedLM(config))
+    hf.save_pretrained(str(tmp_path / "hf-src"))
+    return hf, tmp_path / "hf-src"
+
+
+def load_imported(model_dir):
+    cfg = load_config(model_dir)
+    model = NystromformerForMaskedLM(cfg.model)
+    model.load_state_dict(checkpoint.load(cfg.path(cfg.from_cp))["model_state_dict"])
+    return model.eval()
+
+
+def test_import_of_a_transformers_model_gives_its_logits(tmp_path):
+    hf, src = hf_nystromformer(tmp_path)
+    import_hf(src, tmp_path / "ours", log=lambda s: None)
+    model = load_imported(tmp_path / "ours")
+    assert model.config.num_sen_type == 2 and model.config.num_landmarks == 8
+    ids = token_ids()
+    types = torch.randint(0, 2, ids.shape)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids, None, types), hf(ids, token_type_ids=types).logits,
+                                   atol=ATOL, rtol=0)
+
+
+def test_import_keeps_the_other_sections_of_an_existing_config(tmp_path):
+    _, src = hf_nystromformer(tmp_path)
+    folder = write_model_dir(tmp_path / "ours", {**tiny_config(), "data_folder": "my-data"})
+    import_hf(src, folder, log=lambda s: None)
+    data = json.loads((folder / "config.json").read_text())
+    assert data["data_folder"] == "my-data" and data["from_cp"] == "imported/hf-import.model"
+    assert data["pretraining_setting"]["batches_per_epoch"] == 4
+
+
+def test_import_refuses_a_folder_that_pretraining_would_resume(tmp_path):
+    _, src = hf_nystromformer(tmp_path)
+    folder = write_model_dir(tmp_path / "ours", tiny_config())
+    atomic.torch_save(folder / "model" / "cp-0000.cp", {"model_state_dict": {}})
+    with pytest.raises(InteropError, match="resumable checkpoints"):
+        import_hf(src, folder, log=lambda s: None)
+
+
+def test_released_config_with_landmarks_equal_to_segment_length_is_detected(tmp_path):
+    """uw-madison/nystromformer-512 ships num_landmarks == segment_means_seq_len == 64 with 510 positions:
+    transformers then runs exact softmax attention although the model was trained with 64 landmarks."""
+    hf, src = hf_nystromformer(tmp_path, num_landmarks=8, segment_means_seq_len=8)
+    logs = []
+    import_hf(src, tmp_path / "paper", log=logs.append)
+    assert load_config(tmp_path / "paper").model.num_landmarks == 8
+    assert any("swapped" in line for line in logs)
+    import_hf(src, tmp_path / "as-hf", match_transformers=True, log=lambda s: None)
+    model = load_imported(tmp_path / "as-hf")
+    assert model.config.num_landmarks == SEQ
+    ids, mask = token_ids(n=20), None
+    with torch.no_grad():  # transformers' exact path accepts any length: both compute softmax attention
+        torch.testing.assert_close(model.logits(ids, mask), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("overrides, option", [
+    (dict(embedding_dim=16), "model.embedding_dim"),
+    (dict(num_landmarks=6), "model.num_landmarks"),
+    (dict(inv_coeff_init_option="exact"), "model.inv_coeff_init_option"),
+    (dict(pinv_iterations=8), "model.pinv_iterations"),
+])
+def test_export_refuses_options_transformers_computes_differently(tmp_path, capsys, overrides, option):
+    model = ours(**overrides)
+    folder = write_checkpoint(tmp_path, model)
+    code = main(["export-hf", "--model-dir", str(folder), "--checkpoint", "0", "--output", str(tmp_path / "hf")])
+    assert code == 2
+    assert option in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_export_refuses_other_attention_types():
+    mc = dataclasses.replace(model_config(), attn_type="performer")
+    with pytest.raises(InteropError, match="model.attn_type"):
+        check_exportable(mc)
+
+
+def test_options_unused_by_the_exact_path_do_not_block_export():
+    notes = check_exportable(model_config(num_landmarks=SEQ, inv_coeff_init_option="exact", pinv_iterations=3))
+    assert any("unused" in n for n in notes)
+
+
+def test_transformers_exact_pinv_init_crashes():
+    """The defect behind refusing inv_coeff_init_option='exact': a typo'd config key."""
+    config = transformers.NystromformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=4, intermediate_size=64, inv_coeff_init_option=True)
+    with pytest.raises(TypeError):
+        transformers.NystromformerModel(config)
+
+
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_glue_weights_export_as_sequence_classification(tmp_path, num_labels):
+    mc = model_config(num_landmarks=8)
+    model = randomize(NystromformerForSequenceClassification(mc, num_labels))
+    folder = write_model_dir(tmp_path / "m", tiny_config(num_landmarks=8))
+    weights = tmp_path / "best.model"
+    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": num_labels,
+                                "model_config": dataclasses.asdict(mc)})
+    with pytest.raises(InteropError, match="--num-labels"):
+        export_hf(load_config(folder), tmp_path / "x", glue_weights=weights, num_labels=num_labels + 1)
+    out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == "NystromformerForSequenceClassification" and hf.config.num_labels == num_labels
+    ids = token_ids()
+    with torch.no_grad():
+        expected = model(ids)
+        got = hf(ids).logits
+    torch.testing.assert_close(got.squeeze(-1) if num_labels == 1 else got, expected, atol=ATOL, rtol=0)
+
+
+def hf_roberta(tmp_path):
+    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=SEQ + 2, type_vocab_size=1,
+                                        layer_norm_eps=1e-5, pad_token_id=1, hidden_act="gelu")
+    roberta = randomize(transformers.RobertaForMaskedLM(config))
+    roberta.save_pretrained(str(tmp_path / "roberta"))
+    return roberta, tmp_path / "roberta"
+
+
+def test_roberta_weights_initialise_a_softmax_model_that_computes_roberta(tmp_path):
+    roberta, src = hf_roberta(tmp_path)
+    import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax", "max_seq_len": SEQ}, log=lambda s: None)
+    model = load_imported(tmp_path / "ours")
+    ids = token_ids()  # no pad tokens: RoBERTa's positions are 2..n+1, as ours
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), roberta(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_roberta_import_tiles_positions_and_leaves_the_conv_at_init(tmp_path):
+    roberta, src = hf_roberta(tmp_path)
+    logs = []
+    import_hf(src, tmp_path / "ours", overrides={"max_seq_len": 2 * SEQ, "num_landmarks": 8,
+                                                  "conv_kernel_size": 5}, log=logs.append)
+    model = load_imported(tmp_path / "ours")
+    table = model.encoder.embeddings.position_embeddings.weight
+    source = roberta.roberta.embeddings.position_embeddings.weight
+    assert table.shape[0] == 2 * SEQ + 2
+    assert torch.equal(table[2:SEQ + 2], source[2:]) and torch.equal(table[SEQ + 2:], source[2:])
+    assert any("attention.attn.conv.weight" in line and "left at our initialisation" in line for line in logs)
+    with pytest.raises(InteropError, match="multiple"):
+        import_hf(src, tmp_path / "bad", overrides={"max_seq_len": 48, "num_landmarks": 8}, log=lambda s: None)
