@@ -98,3 +98,19 @@ def test_a_valid_config_builds_a_model():
     cfg = config_from_dict(tiny_config())
     model = NystromformerForMaskedLM(cfg.model)
     assert model.encoder.embeddings.position_embeddings.num_embeddings == cfg.model.max_seq_len + 2
+
+
+def test_every_schema_key_is_documented():
+    import dataclasses
+
+    from nystromformer.config import Config
+    doc = (REPO / "docs" / "config.md").read_text()
+    sections = {"model": None, "pretraining_setting": None, "gpu_setting": None}
+    for f in dataclasses.fields(Config):
+        if f.metadata.get("internal"):
+            continue
+        if f.name in sections:
+            for sub in dataclasses.fields(f.default_factory()):
+                assert f"| `{sub.name}` |" in doc, f"{f.name}.{sub.name} is not in docs/config.md"
+        else:
+            assert f"| `{f.name}` |" in doc, f"{f.name} is not in docs/config.md"

@@ -9,8 +9,11 @@ from typing import List, Optional
 COMMAND_MODULES = [
     "nystromformer.pretrain",
     "nystromformer.validate",
+    "nystromformer.plots",
+    "nystromformer.demo",
     "nystromformer.data.commands",
     "nystromformer.glue.commands",
+    "nystromformer.interop",
 ]
 
 

