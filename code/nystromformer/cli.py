@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "nystromformer.demo",
     "nystromformer.data.commands",
     "nystromformer.glue.commands",
+    "nystromformer.lra.commands",
     "nystromformer.interop",
 ]
 

@@ -23,7 +23,11 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-ATTENTION_TYPES = ("softmax", "nystrom")
+ATTENTION_TYPES = ("softmax", "nystrom", "linformer", "performer", "linear", "reformer", "longformer", "bigbird",
+                   "linformer_revisited")
+# Linformer projection sharing: per head ("none"), one E and one F for all heads ("headwise"), one projection for
+# keys and values of all heads ("kv"). Linformer's "layerwise" sharing (across layers) is not supported.
+LINFORMER_SHARING = ("none", "headwise", "kv")
 PINV_INITS = ("original", "exact")
 
 
@@ -47,6 +51,18 @@ class ModelConfig:
     # whole batch); "exact" is 1/(||A||_1 ||A||_inf) per matrix, the guess the convergence proof uses.
     inv_coeff_init_option: str = "original"
     pinv_iterations: int = 6
+    # Efficient-attention baselines (docs/attention.md); each key is read only by the variants named.
+    linformer_k: int = 256                    # linformer, linformer_revisited: projected length k
+    linformer_sharing: str = "none"           # linformer, linformer_revisited: one of LINFORMER_SHARING
+    performer_num_features: int = 256         # performer: random features m
+    performer_redraw_interval: int = 1000     # performer: redraw features every N training forwards (0: never)
+    reformer_num_hashes: int = 2              # reformer: LSH rounds
+    reformer_bucket_size: int = 32            # reformer: chunk length; buckets = padded length / bucket size
+    window_size: int = 256                    # longformer: window width w (each token sees w//2 either side)
+    num_global_tokens: int = 1                # longformer: the first tokens attend and are attended globally
+    block_size: int = 64                      # bigbird: block length
+    bigbird_num_random_blocks: int = 3        # bigbird: random key blocks per query block
+    bigbird_num_global_blocks: int = 1        # bigbird: the first blocks attend and are attended globally
     # The paper's code computes attention in fp32 even under mixed precision.
     attention_fp32: bool = True
     mixed_precision: bool = True
@@ -72,6 +88,17 @@ class ModelConfig:
         if self.conv_kernel_size is not None:
             _check(self.conv_kernel_size >= 1 and self.conv_kernel_size % 2 == 1, f"{prefix}.conv_kernel_size",
                    f"must be a positive odd number (the conv keeps the length), got {self.conv_kernel_size}")
+        for name in ("linformer_k", "performer_num_features", "reformer_num_hashes", "reformer_bucket_size",
+                     "window_size", "block_size"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("performer_redraw_interval", "num_global_tokens", "bigbird_num_random_blocks",
+                     "bigbird_num_global_blocks"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", f"must be >= 0, got {getattr(self, name)}")
+        _check(self.linformer_sharing in LINFORMER_SHARING, f"{prefix}.linformer_sharing",
+               f"must be one of {', '.join(LINFORMER_SHARING)}; got {self.linformer_sharing!r}")
+        if self.attn_type in ("linformer", "linformer_revisited"):
+            _check(self.linformer_k <= self.max_seq_len, f"{prefix}.linformer_k",
+                   f"must be <= max_seq_len ({self.max_seq_len}), got {self.linformer_k}")
         _check(self.layer_norm_eps > 0, f"{prefix}.layer_norm_eps", "must be > 0")
         _check(0 <= self.pad_token_id < self.vocab_size, f"{prefix}.pad_token_id",
                f"must be a token id below vocab_size ({self.vocab_size}), got {self.pad_token_id}")

@@ -31,4 +31,5 @@ def build_attention(model_config) -> nn.Module:
 
 
 # Import the variants so they register.
-from . import nystrom, softmax  # noqa: E402,F401
+from . import (bigbird, linear, linformer, linformer_revisited, longformer, nystrom, performer, reformer,  # noqa: E402,F401
+               softmax)

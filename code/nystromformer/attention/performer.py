@@ -1,0 +1,80 @@
+"""Performer attention: FAVOR+ with positive orthogonal random features (Choromanski et al., ICLR 2021).
+
+With x scaled by d^-1/4 (so q·k carries the usual 1/√d), the positive random features
+
+    φ(x) = exp(Wx − ‖x‖²/2) / √m,       W: m × d, rows ω_i ~ N(0, I_d), orthogonal within blocks of d
+
+give E[φ(q)ᵀφ(k)] = exp(q·k), so softmax attention is estimated by linear attention with φ
+(``linear.linear_attention``). Orthogonal blocks come from the QR factorisation of Gaussian matrices,
+each row rescaled to the norm of an independent Gaussian vector (so marginals stay N(0, I)).
+As in the authors' code, a stabiliser is subtracted inside the exponent: the per-row max for queries and
+the max over (real) keys for keys; both cancel in the normalisation. A small constant (1e-6) is added to
+each feature as in the authors' code, so the normaliser is never zero.
+
+Feature redraw: the projection is a buffer (saved in checkpoints) redrawn every
+``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws.
+Padded keys are exact: their features are zeroed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from . import register
+from .linear import linear_attention
+
+FEATURE_EPS = 1e-6
+
+
+def orthogonal_gaussian(num_features: int, dim: int, generator=None, dtype=torch.float32) -> torch.Tensor:
+    blocks = []
+    for _ in range(math.ceil(num_features / dim)):
+        g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        qmat, _ = torch.linalg.qr(g)
+        blocks.append(qmat.T)
+    w = torch.cat(blocks, dim=0)[:num_features]
+    norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=-1)
+    return (w * norms[:, None]).to(dtype)
+
+
+def positive_features(x: torch.Tensor, w: torch.Tensor, is_query: bool, key_keep=None) -> torch.Tensor:
+    """φ(x) for x already scaled by d^-1/4; ``key_keep`` (..., n, 1) restricts the key stabiliser to real keys."""
+    proj = x @ w.transpose(-1, -2) - 0.5 * (x * x).sum(dim=-1, keepdim=True)  # (..., n, m): ωᵀx − ‖x‖²/2
+    if is_query:
+        stab = proj.amax(dim=-1, keepdim=True)
+    else:
+        masked = proj if key_keep is None else proj.masked_fill(key_keep == 0, float("-inf"))
+        stab = masked.amax(dim=(-1, -2), keepdim=True).clamp_min(-1e30)  # all-padding: no -inf
+    stab = stab.detach()
+    return (torch.exp(proj - stab) + FEATURE_EPS) / math.sqrt(w.shape[0])
+
+
+@register("performer")
+class PerformerAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_features = config.performer_num_features
+        self.redraw_interval = config.performer_redraw_interval
+        self.register_buffer("projection", orthogonal_gaussian(self.num_features, self.head_dim))
+        self.register_buffer("forwards_since_redraw", torch.zeros((), dtype=torch.long))
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        w = orthogonal_gaussian(self.num_features, self.head_dim)
+        self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
+        self.forwards_since_redraw.zero_()
+
+    def forward(self, q, k, v, mask):
+        if self.training and self.redraw_interval > 0:
+            if int(self.forwards_since_redraw) >= self.redraw_interval:
+                self.redraw()
+            self.forwards_since_redraw += 1
+        scale = self.head_dim ** -0.25
+        w = self.projection.to(q.dtype)
+        keep = mask[:, None, :, None].to(q.dtype)
+        phi_q = positive_features(q * scale, w, is_query=True)
+        phi_k = positive_features(k * keep * scale, w, is_query=False, key_keep=keep) * keep
+        return linear_attention(phi_q, phi_k, v, eps=0.0)

@@ -1,0 +1,90 @@
+"""Reformer LSH attention (Kitaev et al., ICLR 2020), shared-QK, chunked — O(n·c) memory.
+
+Shared QK: Reformer uses one projection for queries and keys. Our interface passes separate ``q`` and
+``k``; this variant uses ``q`` as the shared query/key and ignores ``k`` (so the layer's key projection
+gets no gradient). Keys are the unit-normalised queries times d^-1/2 (as in the reference code), so the
+score of query i on key j is q_i·q_j / (‖q_j‖ √d).
+
+Per round (``reformer_num_hashes`` rounds): a random rotation R (d × nb/2, fresh each forward from torch's
+RNG, per head) hashes each position to argmax([xR; −xR]) of nb buckets, nb = padded length / c rounded
+up to even (c = ``reformer_bucket_size``). Positions are sorted by (round, bucket, position), cut into
+chunks of c, and each chunk attends to itself and the previous chunk. A query never attends to itself
+unless nothing else is available (score −1e5, as in the reference). Rounds are combined with weights
+softmax over rounds of each round's log-sum-exp. Duplicate keys across rounds are not de-duplicated
+(as in the reference implementations).
+
+Padding: padded positions go to an extra last bucket, so they are sorted after every real token and
+their contents never change which chunk a real token lands in; padded keys are masked out of every
+chunk. So padded contents never change real outputs (for the same random rotation); the *amount* of
+padding does (it sets nb). With a single chunk (n ≤ c) the result is exact softmax attention with the
+shared-QK scores, excluding self.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import register
+
+SELF_SCORE = -1e5
+
+
+@register("reformer")
+class ReformerAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_hashes = config.reformer_num_hashes
+        self.bucket_size = config.reformer_bucket_size
+
+    def forward(self, q, k, v, mask):
+        b, h, n, d = q.shape
+        c = self.bucket_size
+        rounds = self.num_hashes
+        total = -(-n // c) * c
+        chunks_per_round = total // c
+        nbk = max(2, chunks_per_round + chunks_per_round % 2)
+        neg = torch.finfo(q.dtype).min
+        qp = F.pad(q, (0, 0, 0, total - n))
+        vp = F.pad(v, (0, 0, 0, total - n))
+        maskp = F.pad(mask.to(torch.bool), (0, total - n))
+        keys = F.normalize(qp, dim=-1) * d ** -0.5
+
+        rot = torch.randn(h, d, rounds, nbk // 2, device=q.device, dtype=q.dtype)
+        rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)
+        buckets = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)              # (b, h, r, N)
+        buckets = buckets.masked_fill(~maskp[:, None, None, :], nbk)                 # padding last
+        pos = torch.arange(total, device=q.device)
+        offsets = torch.arange(rounds, device=q.device)[:, None] * (nbk + 1)
+        ticker = ((buckets + offsets) * total + pos).flatten(2)                      # (b, h, r·N)
+        order = ticker.argsort(dim=-1)                                               # flat index r·N + p
+        src = order % total
+
+        def gather(t):
+            return t.gather(2, src[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+        num_chunks = rounds * chunks_per_round
+        sq = gather(qp).view(b, h, num_chunks, c, d)
+        sk = gather(keys).view(b, h, num_chunks, c, d)
+        sv = gather(vp).view(b, h, num_chunks, c, v.shape[-1])
+        spos = src.view(b, h, num_chunks, c)
+        smask = maskp[:, None, :].expand(b, h, total).gather(2, src).view(b, h, num_chunks, c)
+        if num_chunks > 1:  # look one chunk back
+            back = lambda t: torch.cat([t, t.roll(1, dims=2)], dim=3)  # noqa: E731
+            sk, sv, kpos, kmask = back(sk), back(sv), back(spos), back(smask)
+        else:
+            kpos, kmask = spos, smask
+
+        scores = sq @ sk.transpose(-1, -2)                                           # (b, h, C, c, c or 2c)
+        scores = scores.masked_fill(spos[..., :, None] == kpos[..., None, :], SELF_SCORE)
+        scores = scores.masked_fill(~kmask[..., None, :], neg)
+        lse = scores.logsumexp(dim=-1, keepdim=True)
+        out = torch.exp(scores - lse) @ sv                                           # (b, h, C, c, d)
+
+        undo = order.argsort(dim=-1)
+        out = out.reshape(b, h, rounds * total, -1).gather(2, undo[..., None].expand(-1, -1, -1, out.shape[-1]))
+        lse = lse.reshape(b, h, rounds * total).gather(2, undo)
+        out = out.view(b, h, rounds, total, -1)
+        weights = torch.softmax(lse.view(b, h, rounds, total), dim=2)
+        return (out * weights[..., None]).sum(dim=2)[:, :, :n]

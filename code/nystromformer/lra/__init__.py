@@ -1,0 +1,1 @@
+"""Long Range Arena tasks (currently ListOps): data generation/loading, training runner, commands."""

@@ -1,0 +1,110 @@
+"""``nystromformer listops-generate`` and ``nystromformer listops-train`` (LRA ListOps).
+
+    nystromformer listops-generate --out data/listops            # 96k/2k/2k at LRA settings, seeded
+    nystromformer listops-train --data data/listops --out results/listops          # paper scale (GPU)
+    nystromformer listops-train --generate --train-size 2000 --max-length 200 ... # reduced, e.g. CPU
+
+``--data`` takes a folder with ``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv`` (the LRA
+release's ``listops-1000`` folder, or one written by ``listops-generate``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..cli import add_subcommand
+from ..config import ATTENTION_TYPES
+from . import listops
+from .train import RunSettings, encode_splits, majority_accuracy, train_one, write_results
+
+GEN_DOC = "Generate LRA ListOps TSVs (basic_train/val/test.tsv, Source<TAB>Target)."
+TRAIN_DOC = __doc__
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train-size", type=int, default=96000)
+    p.add_argument("--dev-size", type=int, default=2000)
+    p.add_argument("--test-size", type=int, default=2000)
+    p.add_argument("--max-depth", type=int, default=10)
+    p.add_argument("--max-args", type=int, default=10)
+    p.add_argument("--min-length", type=int, default=500, help="fewest tokens of a generated expression")
+    p.add_argument("--gen-max-length", type=int, default=2000, help="most tokens of a generated expression")
+    p.add_argument("--data-seed", type=int, default=0)
+
+
+def generate_from_args(args) -> dict:
+    sizes = {"train": args.train_size, "dev": args.dev_size, "test": args.test_size}
+    return listops.generate_splits(sizes, seed=args.data_seed, max_depth=args.max_depth, max_args=args.max_args,
+                                   min_length=args.min_length, max_length=args.gen_max_length)
+
+
+def add_gen_arguments(p):
+    p.add_argument("--out", type=Path, required=True, help="folder for basic_{train,val,test}.tsv")
+    add_generation_arguments(p)
+
+
+def run_generate(args) -> int:
+    splits = generate_from_args(args)
+    for split, rows in splits.items():
+        listops.write_tsv(args.out / listops.SPLIT_FILES[split], rows)
+        print(f"{split}: {len(rows)} rows -> {args.out / listops.SPLIT_FILES[split]}")
+    return 0
+
+
+def add_train_arguments(p):
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", type=Path, help="folder with the LRA ListOps TSVs")
+    src.add_argument("--generate", action="store_true", help="generate the data in memory (flags below)")
+    add_generation_arguments(p)
+    p.add_argument("--out", type=Path, required=True, help="folder for listops_results.{md,csv} and the log")
+    p.add_argument("--attn-types", default=",".join(ATTENTION_TYPES),
+                   help="comma-separated attention types (default: all)")
+    d = RunSettings()
+    for name, val in d.__dict__.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "eval_batches":
+            p.add_argument(flag, type=int, default=None, help="dev batches per evaluation (default: all)")
+        else:
+            p.add_argument(flag, type=type(val), default=val)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override a model key for every run, e.g. --set num_landmarks=32 (repeatable)")
+    p.add_argument("--title", default="ListOps")
+
+
+def run_train(args) -> int:
+    names = [a.strip() for a in args.attn_types.split(",") if a.strip()]
+    bad = [a for a in names if a not in ATTENTION_TYPES]
+    if bad:
+        print(f"unknown attention type(s): {', '.join(bad)}", file=sys.stderr)
+        return 2
+    overrides = {}
+    for item in args.set:
+        key, _, val = item.partition("=")
+        overrides[key] = json.loads(val)
+    settings = RunSettings(**{k: getattr(args, k) for k in RunSettings().__dict__})
+    raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
+    splits = encode_splits(raw, settings.max_length)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_file = open(args.out / "listops_log.jsonl", "a")
+
+    def log(line):
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    results = []
+    for name in names:
+        results.append(train_one(name, splits, settings, overrides, log))
+        log(json.dumps({"result": results[-1]}))
+        write_results(results, args.out, args.title, settings, majority_accuracy(splits["train"], splits["test"]))
+    print((args.out / "listops_results.md").read_text())
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "listops-generate", "generate LRA ListOps TSV files", GEN_DOC, add_gen_arguments,
+                   run_generate)
+    add_subcommand(subparsers, "listops-train", "train/evaluate ListOps for attention types; results table",
+                   TRAIN_DOC, add_train_arguments, run_train)

@@ -1,0 +1,254 @@
+"""The efficient-attention baselines: shape, padding, gradients, and each one against its definition."""
+import math
+
+import pytest
+import torch
+
+from nystromformer.attention import ATTENTION_REGISTRY, build_attention
+from nystromformer.config import ATTENTION_TYPES, ConfigError, ModelConfig, config_from_dict
+from nystromformer.model import Encoder
+
+from helpers import tiny_config
+
+VARIANTS = ["linformer", "performer", "linear", "reformer", "longformer", "bigbird", "linformer_revisited"]
+# Variants whose real outputs ignore the contents of padded positions (all of them; see docs/attention.md).
+B, H, N, D = 2, 2, 24, 8
+
+
+def cfg(attn_type, **kw):
+    base = dict(attn_type=attn_type, max_seq_len=32, num_head=H, head_dim=D, transformer_dim=H * D,
+                embedding_dim=H * D, transformer_hidden_dim=32, vocab_size=40, linformer_k=8,
+                performer_num_features=16, reformer_bucket_size=4, window_size=6, num_global_tokens=1,
+                block_size=4, bigbird_num_random_blocks=1, bigbird_num_global_blocks=1)
+    base.update(kw)
+    c = ModelConfig(**base)
+    c.validate()
+    return c
+
+
+def qkv(n=N, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, D, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def padded_mask(n=N, real=(N, 17)):
+    m = torch.zeros(B, n, dtype=torch.long)
+    for i, r in enumerate(real):
+        m[i, :r] = 1
+    return m
+
+
+def dense_softmax(q, k, v, allowed):
+    """softmax(QKᵀ/√d) V with `allowed` (b or 1, 1, n, n) bool."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def test_all_variants_registered_and_configurable():
+    for name in VARIANTS:
+        assert name in ATTENTION_TYPES and name in ATTENTION_REGISTRY
+    c = config_from_dict(tiny_config(attn_type="bigbird", block_size=8))
+    assert c.model.attn_type == "bigbird"
+    with pytest.raises(ConfigError, match="linformer_sharing"):
+        config_from_dict(tiny_config(attn_type="linformer", linformer_k=8, linformer_sharing="layerwise"))
+    with pytest.raises(ConfigError, match="linformer_k"):
+        config_from_dict(tiny_config(attn_type="linformer", linformer_k=64))  # > max_seq_len 32
+    with pytest.raises(ConfigError, match="window_size"):
+        config_from_dict(tiny_config(attn_type="longformer", window_size=0))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_shape_grad_and_padding_contents(name):
+    torch.manual_seed(0)
+    attn = build_attention(cfg(name)).double()
+    attn.eval()
+    q, k, v = qkv()
+    mask = padded_mask()
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    torch.manual_seed(1)
+    out = attn(q, k, v, mask)
+    assert out.shape == v.shape and torch.isfinite(out).all()
+    out.transpose(1, 2)[mask.bool()].sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0 and v.grad.abs().sum() > 0
+    if name != "reformer":  # reformer is shared-QK: k is ignored
+        assert k.grad.abs().sum() > 0
+    # Changing what sits at padded positions never changes real tokens' outputs.
+    q2, k2, v2 = (t.detach().clone() for t in (q, k, v))
+    pad = ~mask.bool()
+    for t in (q2, k2, v2):
+        t.transpose(1, 2)[pad] = 1e3 * torch.randn(int(pad.sum()), H, D, dtype=t.dtype)
+    torch.manual_seed(1)
+    out2 = attn(q2, k2, v2, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out2.detach().transpose(1, 2)[real], out.detach().transpose(1, 2)[real])
+    # And with the fp32 model in train mode the layer runs end to end.
+    model = Encoder(cfg(name))
+    hidden = model(torch.randint(0, 40, (2, 20)), torch.ones(2, 20, dtype=torch.long))
+    hidden.sum().backward()
+
+
+def test_linear_matches_explicit_kernel_formula():
+    attn = build_attention(cfg("linear"))
+    q, k, v = qkv()
+    mask = padded_mask()
+    phi = lambda x: torch.nn.functional.elu(x) + 1  # noqa: E731
+    w = phi(q) @ phi(k).transpose(-1, -2) * mask[:, None, None, :]      # (b, h, n, n) kernel, pads dropped
+    expected = (w @ v) / w.sum(-1, keepdim=True)
+    torch.testing.assert_close(attn(q, k, v, mask), expected, rtol=1e-6, atol=1e-8)
+
+
+def test_performer_features_positive_and_approximate_softmax():
+    from nystromformer.attention.performer import positive_features
+    torch.manual_seed(0)
+    attn = build_attention(cfg("performer", performer_num_features=8192)).double()
+    q, k, v = (0.5 * t for t in qkv())
+    phi = positive_features(q * D ** -0.25, attn.projection.double(), is_query=True)
+    assert (phi > 0).all()
+    mask = padded_mask()
+    out = attn(q, k, v, mask)
+    exact = dense_softmax(q, k, v, mask.bool()[:, None, None, :])
+    err = (out - exact).abs().max().item()
+    assert err < 0.05, err
+    # Few features: a much worse approximation (the estimator is what converges, not a coincidence).
+    few = build_attention(cfg("performer", performer_num_features=2)).double()
+    assert (few(q, k, v, mask) - exact).abs().max().item() > err
+
+
+def test_performer_redraws_every_n_training_forwards():
+    torch.manual_seed(0)
+    attn = build_attention(cfg("performer", performer_redraw_interval=2))
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padded_mask()
+    seen = [attn.projection.clone()]
+    for _ in range(5):
+        attn(q, k, v, mask)
+        seen.append(attn.projection.clone())
+    changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
+    assert changed == [False, False, True, False, True]
+    attn.eval()
+    before = attn.projection.clone()
+    for _ in range(4):
+        attn(q, k, v, mask)
+    assert torch.equal(before, attn.projection)
+    # Rows of one block are orthogonal.
+    from nystromformer.attention.performer import orthogonal_gaussian
+    w = orthogonal_gaussian(D, D, dtype=torch.float64)
+    gram = w @ w.T
+    torch.testing.assert_close(gram - torch.diag(torch.diag(gram)), torch.zeros(D, D, dtype=torch.float64),
+                               atol=1e-10, rtol=0)
+
+
+def test_longformer_equals_softmax_for_wide_window_and_band_pattern_otherwise():
+    q, k, v = qkv()
+    mask = padded_mask()
+    allowed_pad = mask.bool()[:, None, None, :]
+    wide = build_attention(cfg("longformer", window_size=2 * N, num_global_tokens=0))
+    torch.testing.assert_close(wide(q, k, v, mask), dense_softmax(q, k, v, allowed_pad))
+    for w, g in ((6, 1), (4, 2), (3, 0), (7, 3)):
+        attn = build_attention(cfg("longformer", window_size=w, num_global_tokens=g))
+        i = torch.arange(N)
+        pattern = ((i[:, None] - i[None, :]).abs() <= w // 2) | (i[None, :] < g) | (i[:, None] < g)
+        expected = dense_softmax(q, k, v, pattern[None, None] & allowed_pad)
+        real = mask.bool()  # a padded query may see no real key at all (NaN in the dense reference)
+        torch.testing.assert_close(attn(q, k, v, mask).transpose(1, 2)[real], expected.transpose(1, 2)[real])
+
+
+def test_bigbird_equals_dense_softmax_with_same_block_pattern():
+    torch.manual_seed(0)
+    for n, bs, r, g in ((24, 4, 1, 1), (22, 4, 2, 2), (30, 5, 1, 0), (8, 4, 3, 1)):
+        attn = build_attention(cfg("bigbird", block_size=bs, bigbird_num_random_blocks=r,
+                                   bigbird_num_global_blocks=g))
+        q, k, v = qkv(n)
+        mask = padded_mask(n, real=(n, n - 5))
+        nb = -(-n // bs)
+        pat = attn.block_pattern(nb)
+        blk = torch.arange(n) // bs
+        token_pattern = pat[blk[:, None], blk[None, :]]
+        expected = dense_softmax(q, k, v, token_pattern[None, None] & mask.bool()[:, None, None, :])
+        torch.testing.assert_close(attn(q, k, v, mask), expected)
+        # The pattern is window + global + r random blocks per non-global row (when there is room).
+        for row in range(min(g, nb), nb):
+            assert pat[row].sum() <= 3 + min(g, nb) + r
+        if nb > 3 + g + r:  # a middle row far from the global blocks has exactly window + global + random
+            assert pat[nb // 2 + 1].sum() == 3 + g + r or nb // 2 + 1 >= nb - 1 or nb // 2 - 1 <= g
+
+
+def test_linformer_identity_projection_is_softmax_and_sharing_shapes():
+    n = 32  # = max_seq_len
+    attn = build_attention(cfg("linformer", linformer_k=n, linformer_sharing="headwise"))
+    with torch.no_grad():
+        attn.proj.E.copy_(torch.eye(n)[None])
+        attn.proj.F.copy_(torch.eye(n)[None])
+    attn.double()
+    q, k, v = qkv(n)
+    ones = torch.ones(B, n, dtype=torch.long)
+    torch.testing.assert_close(attn(q, k, v, ones), dense_softmax(q, k, v, ones.bool()[:, None, None, :]))
+    # Shorter inputs use the first n columns of E and F.
+    q, k, v = qkv(10)
+    ones = torch.ones(B, 10, dtype=torch.long)
+    expected = torch.softmax(q @ torch.cat([k, torch.zeros(B, H, n - 10, D, dtype=k.dtype)], 2).transpose(-1, -2)
+                             / math.sqrt(D), -1)[..., :10] @ v
+    expected = expected  # keys beyond n project to zero keys: they take softmax mass exp(0) on zero values
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)
+    denom = scores.exp().sum(-1, keepdim=True) + (n - 10)
+    torch.testing.assert_close(attn(q, k, v, ones), (scores.exp() / denom) @ v)
+    # Padding is not excluded from the softmax (pinned): it dilutes like the zero keys above.
+    mask = padded_mask(n, real=(n, 20))
+    q, k, v = qkv(n)
+    out = attn(q, k, v, mask)
+    masked_softmax = dense_softmax(q, k, v, mask.bool()[:, None, None, :])
+    assert not torch.allclose(out[1, :, :20], masked_softmax[1, :, :20])
+    for sharing, shape_e, has_f in (("none", (H, 8, 32), True), ("headwise", (1, 8, 32), True), ("kv", (1, 8, 32), False)):
+        a = build_attention(cfg("linformer", linformer_sharing=sharing))
+        assert tuple(a.proj.E.shape) == shape_e and (a.proj.F is not None) == has_f
+
+
+def test_linformer_revisited_matches_its_definition():
+    attn = build_attention(cfg("linformer_revisited", linformer_sharing="none")).double()
+    q, k, v = qkv()
+    mask = padded_mask()
+    keep = mask[:, None, :, None].double()
+    e = attn.proj.E[..., :N].double()
+    f = attn.proj.F[..., :N].double()
+    kh, vh = e @ (k * keep), f @ (v * keep)
+    s = D ** -0.25
+    expected = torch.zeros_like(v)
+    for bi in range(B):
+        for hi in range(H):
+            a = torch.softmax(q[bi, hi] * s, dim=1)                # n × d, rows sum to 1
+            bmat = torch.softmax(kh[bi, hi] * s, dim=0)            # k × d, columns sum to 1
+            expected[bi, hi] = a @ bmat.T @ vh[bi, hi]
+    torch.testing.assert_close(attn(q, k, v, mask), expected)
+
+
+def test_reformer_single_chunk_is_shared_qk_softmax_without_self():
+    for hashes in (1, 3):
+        attn = build_attention(cfg("reformer", reformer_bucket_size=32, reformer_num_hashes=hashes))
+        q, k, v = qkv(20)
+        mask = padded_mask(20, real=(20, 13))
+        keys = torch.nn.functional.normalize(q, dim=-1)                 # shared QK: k is ignored
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(D)
+        allowed = mask.bool()[:, None, None, :] & ~torch.eye(20, dtype=torch.bool)
+        expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+        real = mask.bool()
+        out = attn(q, k, v, mask)
+        torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real])
+
+
+def test_reformer_multi_chunk_attends_within_buckets():
+    # Two well-separated clusters of directions hash apart: each query's output mixes only its cluster's values.
+    torch.manual_seed(0)
+    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    n = 16
+    base = torch.zeros(1, 1, n, D, dtype=torch.float64)
+    base[..., :8, 0] = 5.0
+    base[..., 8:, 0] = -5.0
+    q = (base + 0.01 * torch.randn(1, 1, n, D, dtype=torch.float64)).expand(1, H, n, D).contiguous()
+    v = torch.zeros(1, H, n, D, dtype=torch.float64)
+    v[..., :8, 1] = 1.0
+    v[..., 8:, 2] = 1.0
+    out = attn(q, q, v, torch.ones(1, n, dtype=torch.long))
+    # cluster A outputs mostly value-direction 1, cluster B mostly direction 2
+    assert (out[..., :8, 1] > out[..., :8, 2]).float().mean() > 0.9
+    assert (out[..., 8:, 2] > out[..., 8:, 1]).float().mean() > 0.9

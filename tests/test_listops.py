@@ -1,0 +1,122 @@
+"""LRA ListOps: generator vs an independent evaluator, limits, the TSV loader, and a tiny learning run."""
+import argparse
+import csv
+from pathlib import Path
+
+import pytest
+
+from nystromformer.lra import listops
+from nystromformer.lra.commands import add_train_arguments, run_train
+from nystromformer.lra.train import RunSettings, encode_splits, majority_accuracy, model_config, train_one
+
+FIXTURES = Path(__file__).parent / "fixtures" / "listops"
+
+
+@pytest.mark.parametrize("source,value", [
+    ("[MAX 4 3 [MIN 2 3 ] 1 0 ]", 4),
+    ("[MIN 5 [MAX 6 7 ] 8 ]", 5),
+    ("[SM 9 9 ]", 8),
+    ("[MED 1 2 ]", 1),            # int(np.median([1, 2])) = int(1.5)
+    ("[MED 3 9 1 ]", 3),
+    ("[MED 2 9 4 8 ]", 6),        # (4 + 8) / 2
+    ("[SM [SM 5 5 ] 7 ]", 7),
+    ("( ( ( [SM 9 ) 9 ) ] )", 8),  # LRA's parenthesised form
+    ("7", 7),
+])
+def test_evaluator_on_hand_written_expressions(source, value):
+    assert listops.evaluate_expression(source) == value
+
+
+@pytest.mark.parametrize("bad", ["[MAX 1 2", "[MAX ]", "[FOO 1 ]", "[MAX 1 ] 2", "12"])
+def test_evaluator_rejects_malformed(bad):
+    with pytest.raises(ValueError):
+        listops.evaluate_expression(bad)
+
+
+def test_generated_labels_agree_with_independent_evaluator_and_limits_hold():
+    rows = listops.generate(400, seed=3, max_depth=6, max_args=10, min_length=20, max_length=300)
+    assert len(rows) == 400 and len({s for s, _ in rows}) == 400
+    for source, label in rows:
+        tokens = source.split()
+        assert 20 <= len(tokens) <= 300
+        assert listops.expression_depth(source) <= 5  # LRA's depth counts the digit level: ops nest <= 5
+        assert set(tokens) <= set(listops.VOCAB[2:])
+        assert listops.evaluate_expression(source) == label
+    assert len({lab for _, lab in rows}) == 10
+    assert max(listops.expression_depth(s) for s, _ in rows) >= 4
+    # Seeded: same seed, same data; another seed, other data.
+    assert listops.generate(20, seed=3, max_depth=6, min_length=20, max_length=300) == rows[:20]
+    assert listops.generate(20, seed=4, max_depth=6, min_length=20, max_length=300) != rows[:20]
+
+
+def test_lra_scale_lengths_and_depth():
+    rows = listops.generate(5, seed=0)  # LRA defaults: depth 10, 10 args, 500..2000 tokens
+    for source, label in rows:
+        assert 500 <= len(source.split()) <= 2000 and listops.expression_depth(source) <= 9
+        assert listops.evaluate_expression(source) == label
+
+
+def test_splits_are_disjoint_and_tsv_round_trips(tmp_path):
+    splits = listops.generate_splits({"train": 50, "dev": 10, "test": 10}, seed=0, max_depth=3, max_args=4,
+                                     min_length=5, max_length=40)
+    sources = [set(s for s, _ in rows) for rows in splits.values()]
+    assert not (sources[0] & sources[1]) and not (sources[0] & sources[2]) and not (sources[1] & sources[2])
+    for split, rows in splits.items():
+        listops.write_tsv(tmp_path / listops.SPLIT_FILES[split], rows)
+    with open(tmp_path / "basic_train.tsv") as f:
+        assert next(csv.reader(f, delimiter="\t")) == ["Source", "Target"]
+    loaded = listops.load_lra_dir(tmp_path)
+    assert [(" ".join(t), lab) for t, lab in loaded["train"]] == splits["train"]
+
+
+def test_loader_parses_lra_fixture_with_parentheses():
+    data = listops.load_lra_dir(FIXTURES)
+    assert [len(data[s]) for s in ("train", "dev", "test")] == [3, 1, 2]
+    tokens, label = data["train"][0]
+    assert tokens == "[MAX 4 3 [MIN 2 3 ] 1 0 ]".split() and label == 4
+    for rows in data.values():
+        for tokens, label in rows:
+            assert "(" not in tokens and listops.evaluate_expression(" ".join(tokens)) == label
+    ids = listops.encode(tokens, 5)
+    assert len(ids) == 5 and listops.TOKEN_ID["<unk>"] not in ids
+
+
+def test_loader_errors_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="basic_train.tsv"):
+        listops.load_lra_dir(tmp_path)
+    (tmp_path / "x.tsv").write_text("a\tb\n1\t2\n")
+    with pytest.raises(ValueError, match="Source"):
+        listops.read_tsv(tmp_path / "x.tsv")
+
+
+def test_lra_default_model_settings():
+    s = RunSettings()
+    assert (s.num_layers, s.dim, s.num_head, s.ffn_dim, s.batch_size, s.learning_rate, s.warmup, s.steps,
+            s.eval_every, s.max_length) == (2, 64, 2, 128, 32, 1e-4, 1000, 5000, 50, 2000)
+    cfg = model_config("nystrom", s)
+    assert (cfg.num_landmarks, cfg.conv_kernel_size, cfg.head_dim, cfg.max_seq_len) == (64, 35, 32, 2000)
+
+
+def test_tiny_listops_run_beats_majority_class():
+    raw = listops.generate_splits({"train": 2000, "dev": 300, "test": 300}, seed=0, max_depth=2, max_args=5,
+                                  min_length=1, max_length=40)
+    splits = encode_splits(raw, 64)
+    majority = majority_accuracy(splits["train"], splits["test"])
+    s = RunSettings(dim=32, num_head=2, ffn_dim=64, dropout=0.0, learning_rate=3e-3, warmup=30, steps=300,
+                    eval_every=100, max_length=64)
+    result = train_one("softmax", splits, s)
+    assert majority < 0.2
+    assert result["test_accuracy"] > majority + 0.25, (result, majority)
+
+
+def test_train_command_writes_results_table(tmp_path):
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--data", str(FIXTURES), "--out", str(tmp_path), "--attn-types", "linear,bigbird",
+                         "--steps", "3", "--eval-every", "2", "--warmup", "1", "--max-length", "32",
+                         "--dim", "16", "--ffn-dim", "16", "--set", "block_size=8"])
+    assert run_train(args) == 0
+    md = (tmp_path / "listops_results.md").read_text()
+    assert "| linear |" in md and "| bigbird |" in md and "Majority-class" in md
+    rows = list(csv.DictReader(open(tmp_path / "listops_results.csv")))
+    assert [r["attn_type"] for r in rows] == ["linear", "bigbird"] and all(r["steps"] == "3" for r in rows)
