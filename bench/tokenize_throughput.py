@@ -61,30 +61,58 @@ def peak_rss_mb() -> float:
     return max(own, children) / 1024  # Linux reports KiB
 
 
+def repeat_text(folder: Path, source: Path, size_mb: int, part_mb: int = 20) -> int:
+    """Partitions of ``size_mb`` MB made by repeating real partition files (e.g. the Wikipedia sample)."""
+    text = "".join(p.read_text() for p in sorted(source.glob("*.txt")))
+    if not text:
+        raise SystemExit(f"no partition .txt files in {source}")
+    folder.mkdir(parents=True)
+    part_text = (text * (-(-(part_mb << 20) // len(text))))[: part_mb << 20]
+    part_text = part_text[: part_text.rfind("\n\n") + 2]
+    written, part = 0, 0
+    while written < size_mb << 20:
+        (folder / f"part-{part:05d}.txt").write_text(part_text)
+        written += len(part_text.encode())
+        part += 1
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", type=Path, default=Path(__file__).resolve().parents[2] / "shared/tokenizers/roberta-base")
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--text", type=Path, default=None,
+                        help="a partition folder of real text to repeat (default: a generated Zipf corpus)")
+    parser.add_argument("--modes", default="library,word-cache",
+                        help="encoders to compare: library (the Rust backend alone), word-cache (the default path)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "bench"
         started = time.time()
-        size = generate_corpus(corpus, word_list(args.tokenizer), args.size_mb)
-        print(f"generated {size / 2**20:.0f} MB in {time.time() - started:.0f}s", file=sys.stderr)
+        if args.text:
+            size, kind = repeat_text(corpus, args.text, args.size_mb), f"{args.text.name} repeated"
+        else:
+            size, kind = generate_corpus(corpus, word_list(args.tokenizer), args.size_mb), "generated Zipf"
+        print(f"prepared {size / 2**20:.0f} MB in {time.time() - started:.0f}s", file=sys.stderr)
         rss_before = peak_rss_mb()
-        started = time.perf_counter()
-        stats = build_shards([DatasetSpec("bench", corpus)], Path(tmp) / "shards", str(args.tokenizer),
-                             seq_len=args.seq_len, workers=args.workers)
-        elapsed = time.perf_counter() - started
-    tokens = stats["datasets"]["bench"]["tokens"]
-    print(f"| corpus | workers | tokens | wall | tokens/s | tokens/s per core ({cores} cores) | peak RSS |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {size / 2**20:.0f} MB | {args.workers} | {tokens / 1e6:.1f}M | {elapsed:.1f}s | "
-          f"{tokens / elapsed / 1e6:.2f}M | {tokens / elapsed / cores / 1e6:.2f}M | {peak_rss_mb():.0f} MB "
-          f"(before build: {rss_before:.0f} MB) |")
+        for mode in args.modes.split(","):
+            # Workers are forked, so they inherit the switch.
+            os.environ["NYSTROMFORMER_NO_WORD_CACHE"] = "1" if mode == "library" else ""
+            started = time.perf_counter()
+            stats = build_shards([DatasetSpec("bench", corpus)], Path(tmp) / f"shards-{mode}", str(args.tokenizer),
+                                 seq_len=args.seq_len, workers=args.workers)
+            elapsed = time.perf_counter() - started
+            tokens = stats["datasets"]["bench"]["tokens"]
+            rows.append(f"| {kind}, {size / 2**20:.0f} MB | {mode} | {args.workers} | {tokens / 1e6:.1f}M | "
+                        f"{elapsed:.1f}s | {tokens / elapsed / 1e6:.2f}M | {tokens / elapsed / cores / 1e6:.2f}M | "
+                        f"{peak_rss_mb():.0f} MB (before: {rss_before:.0f} MB) |")
+    print(f"| corpus | encoder | workers | tokens | wall | tokens/s | tokens/s per core ({cores} cores) | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,20 @@
 """Tokenisation: encoding partitions with any Hugging Face tokenizer, and training a byte-level BPE.
 
-Encoding goes through the tokenizer's Rust backend with ``encode_batch_fast`` (no offset mappings): the same ids as
-``tokenizer(text)``, ~1.4x faster. Memory stays bounded: a partition is read and encoded a batch of documents at a
-time, whatever the corpus size.
+Byte-level BPE tokenizers of the GPT-2/RoBERTa kind (no normaliser, ByteLevel pre-tokenizer without prefix
+space, BPE model) go through ``WordCachedBPE``: the pre-tokenizer's regex splits a document into words and each
+distinct word is encoded once by the tokenizer's own BPE model, then looked up — ~3x faster than the Rust
+pipeline on real text, with the same ids (checked id for id at start-up on a probe text, and in the tests on
+real Wikipedia text and mixed-script Unicode). Any other tokenizer, and any document containing a special-token
+string, goes through the Rust backend's ``encode_batch_fast``. Memory stays bounded: partitions are read and
+encoded a batch of documents at a time, and the word cache has a fixed capacity.
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
-from typing import Iterable, Iterator, List, Sequence
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -25,16 +30,93 @@ MASK_TOKEN = "<mask>"
 BATCH_CHARS = 1 << 20  # encode ~1 MB of text per call: large enough to keep the Rust threads busy
 
 
-class DocumentEncoder:
-    """Documents -> token id arrays (no special tokens), via the tokenizer's Rust backend."""
+# GPT-2's pre-tokenizer pattern, which the ByteLevel pre-tokenizer of `tokenizers` uses (use_regex=True).
+BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+PROBE_TEXT = ("Hello world!  It's 3.14159 -- naïve café, 東京 and Ελληνικά; tabs\tand\nnew lines,   spaces "
+              "\u200d emoji 👍🏽 and don't we'll I'm they've")
+WORD_CACHE_CAPACITY = 1 << 20  # distinct words kept (~100 MB at most); the cache restarts when full
 
-    def __init__(self, tokenizer):
+
+def bytes_to_unicode() -> List[str]:
+    """GPT-2's reversible byte -> printable character table, indexed by byte value."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+class WordCachedBPE:
+    """Byte-level BPE with a per-word cache in front of the tokenizer's own BPE model."""
+
+    def __init__(self, backend):
+        import regex
+
+        self.model = backend.model
+        self.split = regex.compile(BYTE_LEVEL_PATTERN).findall
+        self.byte_chars = bytes_to_unicode()
+        self.cache: dict = {}
+        self.special = [t.content for t in backend.get_added_tokens_decoder().values()]
+
+    @staticmethod
+    def applies_to(backend) -> bool:
+        config = json.loads(backend.to_str())
+        pre = config.get("pre_tokenizer") or {}
+        return (config.get("normalizer") is None and config["model"].get("type") == "BPE"
+                and config["model"].get("dropout") is None and not config["model"].get("byte_fallback")
+                and pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True))
+
+    def has_special_text(self, document: str) -> bool:
+        return "<" in document and any(token in document for token in self.special)
+
+    def encode(self, document: str) -> List[int]:
+        ids: List[int] = []
+        cache, extend = self.cache, ids.extend
+        for word in self.split(document):
+            word_ids = cache.get(word)
+            if word_ids is None:
+                if len(cache) >= WORD_CACHE_CAPACITY:
+                    cache.clear()
+                mapped = "".join([self.byte_chars[b] for b in word.encode("utf-8")])
+                word_ids = cache[word] = [token.id for token in self.model.tokenize(mapped)]
+            extend(word_ids)
+        return ids
+
+
+class DocumentEncoder:
+    """Documents -> token id arrays (no special tokens): the word-cached BPE where it gives the tokenizer's
+    own ids, the Rust backend otherwise."""
+
+    def __init__(self, tokenizer, allow_word_cache: Optional[bool] = None):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
+        self.fast = None
+        if allow_word_cache is None:  # NYSTROMFORMER_NO_WORD_CACHE=1 forces the Rust backend (for comparisons)
+            allow_word_cache = not os.environ.get("NYSTROMFORMER_NO_WORD_CACHE")
+        if allow_word_cache and WordCachedBPE.applies_to(self.backend):
+            fast = WordCachedBPE(self.backend)
+            if fast.encode(PROBE_TEXT) == self._encode_with_backend([PROBE_TEXT])[0]:
+                self.fast = fast
+            else:
+                log.warning("the word-cached BPE disagrees with the tokenizer on a probe text; using the Rust backend")
+
+    def _encode_with_backend(self, documents: Sequence[str]) -> List[List[int]]:
+        return [e.ids for e in self.backend.encode_batch_fast(list(documents), add_special_tokens=False)]
 
     def encode(self, documents: Sequence[str]) -> List[np.ndarray]:
-        encodings = self.backend.encode_batch_fast(list(documents), add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+        if self.fast is None:
+            return [np.asarray(ids, dtype=np.int64) for ids in self._encode_with_backend(documents)]
+        out = []
+        for document in documents:
+            ids = (self._encode_with_backend([document])[0] if self.fast.has_special_text(document)
+                   else self.fast.encode(document))
+            out.append(np.asarray(ids, dtype=np.int64))
+        return out
 
     def encode_partition(self, path: Path) -> Iterator[np.ndarray]:
         """Token ids of each document of a partition file, in order, streamed in batches of ~1 MB."""

@@ -1,0 +1,83 @@
+"""The word-cached byte-level BPE gives exactly the tokenizer's own ids, faster."""
+import random
+
+import pytest
+
+from nystromformer.data import tokenize as tok_mod
+from nystromformer.data.tokenize import DocumentEncoder
+from nystromformer.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def roberta():
+    from conftest import SHARED
+    if not SHARED.is_dir():
+        pytest.skip(f"needs the RoBERTa tokenizer in {SHARED} (absent here)")
+    return load_tokenizer(SHARED / "tokenizers" / "roberta-base")
+
+
+def library_ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def random_text(rng: random.Random, length: int) -> str:
+    ranges = [(0x20, 0x7E), (0xA0, 0x17F), (0x370, 0x3FF), (0x400, 0x4FF), (0x590, 0x6FF), (0x900, 0x97F),
+              (0x3040, 0x30FF), (0x4E00, 0x4FFF), (0xAC00, 0xAD00), (0x1F300, 0x1F6FF), (0x300, 0x36F)]
+    pieces = []
+    for _ in range(length):
+        r = rng.random()
+        if r < 0.15:
+            pieces.append(rng.choice([" ", "  ", "\t", "\n", "\n\n", " \n ", "\u200d", "\u00a0", "'s", "'ll", "123"]))
+        else:
+            lo, hi = rng.choice(ranges)
+            pieces.append(chr(rng.randint(lo, hi)))
+    return "".join(pieces)
+
+
+def test_word_cache_applies_to_roberta_and_matches_on_mixed_unicode(roberta):
+    encoder = DocumentEncoder(roberta)
+    assert encoder.fast is not None
+    rng = random.Random(0)
+    docs = [random_text(rng, rng.randint(1, 400)) for _ in range(300)]
+    for doc, ids in zip(docs, encoder.encode(docs)):
+        assert ids.tolist() == library_ids(roberta, doc), repr(doc)
+
+
+def test_word_cache_matches_on_real_wikipedia_text(roberta, shared_dir, tmp_path):
+    import subprocess
+    import sys
+    ex = tmp_path / "extracted"
+    subprocess.run([sys.executable, "-m", "nystromformer.cli", "extract-wiki", "--dump",
+                    str(shared_dir / "data" / "wiki" / "enwiki-sample-pages-articles.xml.bz2"), "--output", str(ex)],
+                   check=True, capture_output=True)
+    text = "".join(p.read_text() for p in sorted(ex.rglob("wiki_*")))[:1_500_000]
+    docs = [d for d in text.split("</doc>") if d.strip()]
+    encoder = DocumentEncoder(roberta)
+    assert [ids.tolist() for ids in encoder.encode(docs)] == [library_ids(roberta, d) for d in docs]
+
+
+def test_documents_with_special_token_text_go_through_the_library(roberta):
+    doc = "The <mask> sat on </s> the <s>mat<pad> and <unk>."
+    (ids,) = DocumentEncoder(roberta).encode([doc])
+    assert ids.tolist() == library_ids(roberta, doc)
+    assert roberta.mask_token_id in ids.tolist()
+
+
+def test_a_full_cache_restarts_without_changing_ids(roberta, monkeypatch):
+    monkeypatch.setattr(tok_mod, "WORD_CACHE_CAPACITY", 8)
+    encoder = DocumentEncoder(roberta)
+    rng = random.Random(1)
+    docs = [random_text(rng, 200) for _ in range(20)]
+    assert [i.tolist() for i in encoder.encode(docs)] == [library_ids(roberta, d) for d in docs]
+    assert len(encoder.fast.cache) <= 8
+
+
+def test_other_tokenizers_use_the_library(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]")
+    encoder = DocumentEncoder(tokenizer)
+    assert encoder.fast is None
+    assert encoder.encode(["hello world there"])[0].tolist() == [1, 2, 0]
