@@ -192,8 +192,10 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
 
     ddp_model = model
     if rt.world_size > 1:
+        # Reformer's shared-QK attention leaves the key projection without a gradient.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+            model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+            find_unused_parameters=cfg.model.attn_type == "reformer")
 
     order = SampleOrder(len(train), ps.seed)
     per_rank = ps.batch_size // rt.world_size
