@@ -1,8 +1,8 @@
 """Checkpoint files, with the names users of the paper's repo know.
 
-- ``cp-XXXX.model``: ``{"model_state_dict": ..., "epoch": XXXX, "step": ..., "config": ...}`` written at the
-  end of epoch XXXX (0-based): the weights alone, for validation, fine-tuning and ``from_cp``.
-- ``cp-XXXX.cp``: everything needed to resume (weights, optimizer, scheduler, scaler, epoch, step,
+- ``cp-NNNN.model``: ``{"model_state_dict": ..., "epoch": NNNN, "step": ..., "config": ...}`` written at the
+  end of epoch NNNN (0-based): the weights alone, for validation, fine-tuning and ``from_cp``.
+- ``cp-NNNN.cp``: everything needed to resume (weights, optimizer, scheduler, scaler, epoch, step,
   inst_pass, RNG states).
 - ``step-YYYYYYYY.cp``: the same, written mid-epoch when the run is preempted (SIGTERM).
 
@@ -34,7 +34,7 @@ def model_path(checkpoint_dir: Path, epoch: int) -> Path:
 
 
 def save_epoch(checkpoint_dir: Path, epoch: int, state: dict) -> None:
-    """Write cp-XXXX.model then cp-XXXX.cp; the .cp, written last, marks the epoch complete."""
+    """Write cp-NNNN.model then cp-NNNN.cp; the .cp, written last, marks the epoch complete."""
     checkpoint_dir = Path(checkpoint_dir)
     weights = {"model_state_dict": state["model_state_dict"], "epoch": epoch, "step": state["step"],
                "config": state.get("config")}

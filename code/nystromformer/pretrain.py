@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 code/run_pretrain.py --model-dir nystrom-512
 
 Re-running the same command resumes from the newest complete checkpoint. SIGTERM (preemption,
-``docker stop``) finishes the current step, writes ``step-XXXXXXXX.cp`` and exits with status 143.
+``docker stop``) finishes the current step, writes ``step-NNNNNNNN.cp`` and exits with status 143.
 """
 from __future__ import annotations
 

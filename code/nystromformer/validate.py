@@ -1,6 +1,6 @@
 """MLM validation of pretraining checkpoints on the dev split, logged like the paper's validation_output.log.
 
-    nystromformer validate --model-dir nystrom-512               # every cp-XXXX.model not yet validated
+    nystromformer validate --model-dir nystrom-512               # every cp-NNNN.model not yet validated
     nystromformer validate --model-dir nystrom-512 --checkpoint 3
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=".", help="model folder holding config.json (default: current directory)")
     parser.add_argument("--checkpoint", type=int, action="append", default=None,
-                        help="epoch number of cp-XXXX.model to validate (repeatable; default: all not yet validated)")
+                        help="epoch number of cp-NNNN.model to validate (repeatable; default: all not yet validated)")
     parser.add_argument("--num-sequences", type=int, default=None,
                         help="dev sequences to use (default: validate_batches_per_epoch x batch_size)")
     parser.add_argument("--device", default=None)

@@ -20,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,12 +57,9 @@ class DatasetSpec:
 def parse_dataset(arg: str) -> DatasetSpec:
     """``<partitions dir>[:<sampling ratio>]``; the dataset is named after the folder."""
     folder, ratio = arg, 1.0
-    head, sep, tail = arg.rpartition(":")
-    if sep:
-        try:
-            folder, ratio = head, float(tail)
-        except ValueError:
-            pass  # a colon that is part of the path
+    # A trailing ":<number>" is a ratio; any other colon is part of the path.
+    if m := re.fullmatch(r"(.+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", arg):
+        folder, ratio = m.group(1), float(m.group(2))
     if not 0 < ratio <= 1:
         raise BuildError(f"{arg}: sampling ratio must be in (0, 1], got {ratio}")
     return DatasetSpec(Path(folder).resolve().name, Path(folder), ratio)
