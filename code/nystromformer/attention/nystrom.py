@@ -12,6 +12,8 @@ length. When ``num_landmarks >= seq_len`` the layer computes exact softmax atten
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
@@ -33,6 +35,17 @@ def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
     return sums / counts[:, None]
 
 
+def pinv_init(a: torch.Tensor, init: str = "original") -> torch.Tensor:
+    """Z₀ of ``iterative_pinv`` (see there); shared with the fast path so both start from the same point."""
+    if init == "original":
+        return a.transpose(-1, -2) / torch.max(torch.sum(a, dim=-2))
+    if init == "exact":
+        norm_1 = a.abs().sum(dim=-2).amax(dim=-1)    # max column sum, per matrix
+        norm_inf = a.abs().sum(dim=-1).amax(dim=-1)  # max row sum, per matrix
+        return a.transpose(-1, -2) / (norm_1 * norm_inf)[..., None, None]
+    raise ValueError(f"unknown pseudo-inverse init {init!r} (expected 'original' or 'exact')")
+
+
 def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original") -> torch.Tensor:
     """Moore–Penrose pseudo-inverse of each matrix in ``a`` (..., m, m) by the paper's iteration
 
@@ -43,18 +56,30 @@ def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "origin
     matrix's scale depends on its batch mates. ``init="exact"`` uses both norms of each matrix itself.
     """
     eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
-    if init == "original":
-        z = a.transpose(-1, -2) / torch.max(torch.sum(a, dim=-2))
-    elif init == "exact":
-        norm_1 = a.abs().sum(dim=-2).amax(dim=-1)    # max column sum, per matrix
-        norm_inf = a.abs().sum(dim=-1).amax(dim=-1)  # max row sum, per matrix
-        z = a.transpose(-1, -2) / (norm_1 * norm_inf)[..., None, None]
-    else:
-        raise ValueError(f"unknown pseudo-inverse init {init!r} (expected 'original' or 'exact')")
+    z = pinv_init(a, init)
     for _ in range(num_iterations):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
     return z
+
+
+IMPLS = ("auto", "reference", "fast")
+
+
+def use_fast_path(q: torch.Tensor, impl: str = "auto") -> bool:
+    """Which formulation ``NystromAttention.forward`` runs.
+
+    ``impl`` (the module's ``impl`` attribute, default "auto") is overridden by the environment variable
+    ``NYSTROM_IMPL`` when set: "auto" = the fast path (``nystrom_fast``) on CUDA, the reference elsewhere;
+    "reference" = always the reference (e.g. to compare or to rule the fast path out); "fast" = always the fast
+    path (on CPU it runs as plain PyTorch ops: that is how it is tested without a GPU).
+    """
+    impl = os.environ.get("NYSTROM_IMPL") or impl
+    if impl not in IMPLS:
+        raise ValueError(f"NYSTROM_IMPL / impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return q.is_cuda
+    return impl == "fast"
 
 
 @register("nystrom")
@@ -65,6 +90,7 @@ class NystromAttention(nn.Module):
         self.num_landmarks = config.num_landmarks
         self.pinv_iterations = config.pinv_iterations
         self.init_option = config.inv_coeff_init_option
+        self.impl = "auto"  # see use_fast_path; NYSTROM_IMPL overrides it
         self.conv = None
         if config.conv_kernel_size is not None:
             k = config.conv_kernel_size
@@ -74,6 +100,16 @@ class NystromAttention(nn.Module):
                                   bias=False, groups=config.num_head)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if use_fast_path(q, self.impl):
+            from . import nystrom_fast
+            return nystrom_fast.forward(q, k, v, mask, num_landmarks=self.num_landmarks,
+                                        pinv_iterations=self.pinv_iterations, init=self.init_option,
+                                        conv_weight=None if self.conv is None else self.conv.weight)
+        return self.reference_forward(q, k, v, mask)
+
+    def reference_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+        """The authors' formulation: the oracle for the fast path, and the CPU path."""
         n = q.shape[-2]
         keep = mask[:, None, :, None].to(q.dtype)
         scale = self.head_dim ** -0.25

@@ -1,0 +1,212 @@
+"""Attention core, forward + backward: time, peak memory and ratios for every implementation, in one run.
+
+Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = tokens / n), 12 heads, head dim 64,
+64 landmarks, conv kernel 33, a key padding mask (all ones unless --pad), q/k/v as the model makes them
+((b, n, h, d) transposed to (b, h, n, d) views). Implementations:
+
+  sdpa           F.scaled_dot_product_attention, bf16 (exact softmax; FlashAttention on CUDA), no mask
+  paper-fp32     nystrom.reference_forward in fp32 with the reference's Conv2d (the authors' code)
+  fast-torch     nystrom_fast.forward, bf16, PyTorch ops only (grouped conv1d, batched pinv)
+  fast-triton    nystrom_fast.forward, bf16, Triton kernels for segment means, pinv and conv+add
+  fast-triton-fp32  as above in fp32 (what the model runs with attention_fp32: true)
+
+Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
+weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
+allocated before the pass (inputs excluded). "x floor": time over the bandwidth floor — the bytes fwd+bwd must
+move at least (read q, k, v, write out; read grad-out, q, k, v, out, write dq, dk, dv: 12 tensors of
+tokens·h·d elements) over the device-to-device copy bandwidth measured at start. "err": relative error of the
+output against the fp32 reference on the first batch element (--check).
+
+    python bench/attention_speed.py                          # CUDA, issue #6's lengths, one table
+    python bench/attention_speed.py --csv out.csv --plot docs/img/attention_speed.png --check
+    python bench/attention_speed.py --device cpu --tokens 4096 --lengths 256 1024 --repeat 3   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
+from nystromformer.config import ModelConfig  # noqa: E402
+
+IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32"]
+
+
+def make_impl(name, layer):
+    w = None if layer.conv is None else layer.conv.weight
+    kw = dict(num_landmarks=layer.num_landmarks, pinv_iterations=layer.pinv_iterations, init=layer.init_option,
+              conv_weight=w)
+    if name == "sdpa":
+        return torch.bfloat16, lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v)
+    if name == "paper-fp32":
+        return torch.float32, layer.reference_forward
+    if name == "fast-torch":
+        return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=False, **kw)
+    if name == "fast-triton":
+        return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw)
+    if name == "fast-triton-fp32":
+        return torch.float32, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw)
+    raise ValueError(name)
+
+
+def inputs(b, n, h, d, dtype, device, pad, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = [torch.randn(b, n, h, d, generator=g).to(device, dtype).transpose(1, 2).requires_grad_()
+           for _ in range(3)]
+    mask = torch.ones(b, n, device=device)
+    if pad:
+        mask[: (b + 1) // 2, n - int(n * pad):] = 0  # half the rows padded by the fraction `pad`
+    return qkv, mask
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_bandwidth(device):
+    if device.type != "cuda":
+        return None
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)  # 256 MiB
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); y.copy_(x); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * x.numel() / statistics.median(times)  # bytes read + written per second
+
+
+def time_once(fn, args, grad, params, device, flush):
+    if device.type == "cuda":
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        out = fn(*args)
+        torch.autograd.grad(out, params, grad)
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e)
+    t = time.perf_counter()
+    out = fn(*args)
+    torch.autograd.grad(out, params, grad)
+    return (time.perf_counter() - t) * 1e3
+
+
+def run(name, layer, b, n, args, device, flush):
+    dtype, fn = make_impl(name, layer)
+    (q, k, v), mask = inputs(b, n, args.heads, args.head_dim, dtype, device, args.pad)
+    params = [q, k, v] + ([layer.conv.weight] if layer.conv is not None and name != "sdpa" else [])
+    out = fn(q, k, v, mask)
+    grad = torch.randn_like(out)
+    del out
+    for _ in range(args.warmup):
+        time_once(fn, (q, k, v, mask), grad, params, device, flush)
+    sync(device)
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        time_once(fn, (q, k, v, mask), grad, params, device, flush)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    times = [time_once(fn, (q, k, v, mask), grad, params, device, flush) for _ in range(args.repeat)]
+    err = None
+    if args.check and name != "sdpa":
+        with torch.no_grad():
+            q1, k1, v1 = (t[:1].float() for t in (q, k, v))
+            ref = layer.reference_forward(q1, k1, v1, mask[:1])
+            err = ((fn(q[:1], k[:1], v[:1], mask[:1]).float() - ref).norm() / ref.norm()).item()
+    return statistics.median(times), peak, err
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384, 65536])
+    ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--landmarks", type=int, default=64)
+    ap.add_argument("--conv", type=int, default=33)
+    ap.add_argument("--init", default="original", choices=["original", "exact"])
+    ap.add_argument("--pad", type=float, default=0.0, help="fraction of padding in half the rows")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--check", action="store_true", help="also report relative error vs the fp32 reference")
+    ap.add_argument("--csv")
+    ap.add_argument("--plot")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig(num_head=args.heads, head_dim=args.head_dim, transformer_dim=args.heads * args.head_dim,
+                      num_landmarks=args.landmarks, conv_kernel_size=args.conv or None, inv_coeff_init_option=args.init)
+    torch.manual_seed(0)
+    layer = build_attention(cfg).to(device)
+    bandwidth = measure_bandwidth(device)
+    flush = torch.empty(64 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    rows = []
+    for n in args.lengths:
+        b = max(1, args.tokens // n)
+        sdpa_ms = None
+        for name in args.impls:
+            try:
+                ms, peak, err = run(name, layer, b, n, args, device, flush)
+            except torch.OutOfMemoryError:
+                ms = peak = err = None
+                torch.cuda.empty_cache()
+            if name == "sdpa":
+                sdpa_ms = ms
+            elem = 2 if name in ("sdpa", "fast-torch", "fast-triton") else 4
+            floor_ms = 12 * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth else None
+            rows.append(dict(n=n, batch=b, impl=name, ms=ms, peak_mib=peak,
+                             vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),
+                             x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err))
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# attention fwd+bwd, {args.tokens} tokens/batch, h={args.heads}, d={args.head_dim}, m={args.landmarks}, "
+          f"conv={args.conv}, pad={args.pad}, device={dev}, torch {torch.__version__}"
+          + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
+    fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
+    print("| n | batch | impl | ms | × SDPA | × floor | peak MiB | rel err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['batch']} | {r['impl']} | {fmt(r['ms'], '.3f')} | {fmt(r['vs_sdpa'], '.3f')} | "
+              f"{fmt(r['x_floor'], '.1f')} | {fmt(r['peak_mib'], '.0f')} | {fmt(r['rel_err'], '.1e')} |")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for name in args.impls:
+            pts = [r for r in rows if r["impl"] == name and r["ms"] is not None]
+            ax1.plot([r["n"] for r in pts], [r["ms"] for r in pts], "o-", label=name)
+            if any(r["peak_mib"] is not None for r in pts):
+                ax2.plot([r["n"] for r in pts], [r["peak_mib"] for r in pts], "o-", label=name)
+        for ax, lab in ((ax1, "fwd+bwd ms"), (ax2, "peak MiB")):
+            ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("n"); ax.set_ylabel(lab)
+        ax1.legend(fontsize=8)
+        fig.suptitle(f"attention, {args.tokens} tokens/batch, {dev}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Whole-model MLM training step: tokens/s and peak memory, nystrom vs softmax vs transformers' Nyströmformer.
+
+One training step = forward (MLM loss on the ~15% masked positions) + backward + fused AdamW step, bf16 autocast
+on CUDA, unpadded full-length batches of random tokens. Models (same size, ModelConfig defaults unless given):
+
+  nystrom               our model, attn_type nystrom (conv 33, 64 landmarks), attention_fp32 as --attention-fp32
+  nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
+  softmax               our model, attn_type softmax (SDPA)
+  hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
+
+Prints one Markdown table (tokens/s, ratios to softmax and to transformers, peak MiB).
+
+    python bench/model_speed.py --seq-len 512 --batch 32
+    python bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax
+    python bench/model_speed.py --attention-fp32 false --compile     # the perf configuration
+    python bench/model_speed.py --device cpu --seq-len 128 --batch 2 --layers 2 --steps 2   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+from nystromformer.config import ModelConfig  # noqa: E402
+from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
+
+MODELS = ["nystrom", "nystrom-reference", "softmax", "hf-nystromformer"]
+
+
+def build(name, cfg, device):
+    if name == "hf-nystromformer":
+        from nystromformer.interop import build_hf_model
+        ours = NystromformerForMaskedLM(cfg)
+        model = build_hf_model(cfg, ours.state_dict()).train()
+        return model.to(device), True
+    c = replace(cfg, attn_type="softmax") if name == "softmax" else cfg
+    return NystromformerForMaskedLM(c).to(device).train(), False
+
+
+def batch(cfg, b, n, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, cfg.vocab_size, (b, n), generator=g)
+    labels = torch.full_like(ids, -100)
+    sel = torch.rand(b, n, generator=g) < 0.15
+    labels[sel] = ids[sel]
+    return ids.to(device), labels.to(device), torch.ones(b, n, dtype=torch.long, device=device)
+
+
+def step_fn(model, is_hf, opt, device, amp):
+    def step(ids, labels, mask):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            if is_hf:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                loss = model(ids, labels, mask).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--attention-fp32", default="true", choices=["true", "false"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile our models")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    amp = device.type == "cuda"
+    cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
+                      attention_fp32=args.attention_fp32 == "true")
+    rows = {}
+    for name in args.models:
+        os.environ.pop("NYSTROM_IMPL", None)
+        if name == "nystrom-reference":
+            os.environ["NYSTROM_IMPL"] = "reference"
+        try:
+            torch.manual_seed(0)
+            model, is_hf = build(name, cfg, device)
+        except Exception as exc:  # transformers missing or incompatible
+            print(f"# {name}: skipped ({type(exc).__name__}: {exc})")
+            continue
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        if args.compile and not is_hf:
+            model = torch.compile(model)
+        step = step_fn(model, is_hf, opt, device, amp)
+        data = [batch(cfg, args.batch, args.seq_len, device, seed=i) for i in range(2)]
+        try:
+            for i in range(args.warmup):
+                step(*data[i % 2])
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for i in range(args.steps):
+                t = time.perf_counter()
+                step(*data[i % 2])
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+            rows[name] = (args.batch * args.seq_len / statistics.median(times), peak)
+        except torch.OutOfMemoryError:
+            rows[name] = (None, None)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    os.environ.pop("NYSTROM_IMPL", None)
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
+          f"attention_fp32={args.attention_fp32}, compile={args.compile}, device={dev}, torch {torch.__version__}")
+    fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
+    soft = rows.get("softmax", (None,))[0]
+    hf = rows.get("hf-nystromformer", (None,))[0]
+    print("| model | tokens/s | × softmax | × transformers | peak MiB |")
+    print("|---|---|---|---|---|")
+    for name, (tps, peak) in rows.items():
+        print(f"| {name} | {fmt(tps, '.0f')} | {fmt(tps / soft if tps and soft else None, '.2f')} | "
+              f"{fmt(tps / hf if tps and hf else None, '.2f')} | {fmt(peak, '.0f')} |")
+
+
+if __name__ == "__main__":
+    main()

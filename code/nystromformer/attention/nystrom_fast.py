@@ -1,0 +1,133 @@
+"""Fast Nyström attention: the same function as ``nystrom.reference_forward``, written for CUDA.
+
+The reference materialises three softmax kernels; here Nyström is two attention calls plus small pieces:
+
+    W   = SDPA(Q̃, K, V, key padding bias)              landmark queries over all keys   (= kernel_3 @ V)
+    A   = softmax(Q̃ K̃ᵀ / √d)   (fp32, m × m per head)   kernel_2
+    Z   = pinv(A)  (the same Newton–Schulz-type iteration, same init, same number of steps)
+    out = SDPA(Q, K̃, Z @ W)                             all queries over the landmark keys (= kernel_1 @ Z @ W)
+        + depthwise conv along the sequence of V·mask
+
+Equalities with the reference (checked in float64 by ``tests/test_nystrom_fast.py``):
+
+* the reference scales Q and K by d^-1/4 each and then takes segment means; scaling commutes with means, so the
+  landmarks here are means of the *unscaled* (masked) Q, K and SDPA's default scale 1/√d gives the same scores;
+* masking: Q and K are zeroed at padded positions before the segment means (and Q stays zeroed for the second
+  pass, as in kernel_1, which is not masked otherwise); the landmark pass masks padded keys with the same additive
+  bias (the most negative finite number, so an all-padding row stays finite and uniform); the conv reads V·mask;
+* ``(kernel_1 @ Z) @ (kernel_3 @ V)`` is evaluated as ``kernel_1 @ (Z @ (kernel_3 @ V))`` — associativity, so
+  only rounding differs;
+* the pseudo-inverse uses ``nystrom.pinv_init`` (for ``init="original"``: the max over the *whole batch*, a global
+  reduction before the per-matrix iteration) and then the same iteration
+  ``Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ)))`` written as four fused batched products per step
+  (``P = AZ``; ``U = 7P − P·P``; ``W = 15P − P·U``; ``Z ← 13/4 Z − ¼ Z·W``), again only rounding differs;
+* when ``num_landmarks >= n`` it is exact masked softmax attention, as in the reference.
+
+The landmark pieces (A, Z, Z @ W) are computed in at least float32 whatever the input dtype: the iteration is
+not stable in bf16, and they are tiny (m × m and m × d per head).
+
+On CUDA, when Triton is importable, the segment means, the pseudo-inverse iteration and the conv (+ residual add)
+run as Triton kernels (``nystrom_triton``); otherwise, and on CPU, as PyTorch ops (the conv as a grouped conv1d,
+which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRITON=0`` disables the kernels.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .nystrom import pinv_init, segment_means
+
+
+def _triton_default(x: torch.Tensor) -> bool:
+    if os.environ.get("NYSTROM_TRITON", "1") == "0":
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if not (x.is_cuda or interpret):
+        return False
+    from . import nystrom_triton
+    return nystrom_triton.available()
+
+
+def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch.Tensor:
+    """The paper's iteration from ``z``, each step as one bmm and three baddbmm (4 launches instead of 8)."""
+    shape = a.shape
+    a = a.reshape(-1, shape[-2], shape[-1])
+    z = z.reshape(-1, shape[-1], shape[-2])
+    for _ in range(num_iterations):
+        p = torch.bmm(a, z)
+        u = torch.baddbmm(p, p, p, beta=7.0, alpha=-1.0)           # P (7I − P)
+        w = torch.baddbmm(p, p, u, beta=15.0, alpha=-1.0)          # P (15I − U)
+        z = torch.baddbmm(z, z, w, beta=13.0 / 4, alpha=-1.0 / 4)  # ¼ Z (13I − W)
+    return z.reshape(shape[:-2] + (shape[-1], shape[-2]))
+
+
+def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_triton: bool = False,
+         precision: str = "ieee") -> torch.Tensor:
+    z0 = pinv_init(a, init)
+    if use_triton:
+        from .nystrom_triton import pinv_iterate as triton_pinv_iterate
+        return triton_pinv_iterate(a, z0, num_iterations, precision=precision)
+    return pinv_iterate(a, z0, num_iterations)
+
+
+def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The reference's ``Conv2d(h, h, (k, 1), groups=h)`` on (b, h, n, d), as a grouped conv1d."""
+    b, h, n, d = x.shape
+    k = weight.shape[-2]
+    xs = x.permute(0, 3, 1, 2).reshape(b * d, h, n)
+    y = F.conv1d(xs, weight.reshape(h, 1, k).to(x.dtype), padding=k // 2, groups=h)
+    return y.reshape(b, d, h, n).permute(0, 2, 3, 1)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, num_landmarks: int,
+            pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
+            use_triton: Optional[bool] = None, pinv_precision: str = "ieee") -> torch.Tensor:
+    """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding).
+
+    ``conv_weight`` is the reference's Conv2d weight (h, 1, k, 1) or None. ``use_triton`` defaults to
+    Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv products
+    ("ieee" = true fp32; "tf32x3" is a faster near-fp32 option to measure).
+    """
+    b, h, n, d = q.shape
+    if use_triton is None:
+        use_triton = _triton_default(q)
+    dtype = q.dtype
+    keep = mask.to(dtype)
+    keep4 = keep[:, None, :, None]
+    # The reference's additive key bias. A row with no token at all gets no bias: its (zeroed) queries then score
+    # 0 on every key, which is the reference's uniform row — but with a log-sum-exp that SDPA's backward can use
+    # (min + log n rounds to min, which would make every probability 1 in the backward).
+    has_token = keep.amax(dim=-1, keepdim=True)
+    bias = ((1.0 - keep) * has_token * torch.finfo(dtype).min)[:, None, None, :]
+    q = q * keep4
+
+    if num_landmarks >= n:
+        out = F.scaled_dot_product_attention(q, k * keep4, v, attn_mask=bias)
+    else:
+        if use_triton:
+            from .nystrom_triton import segment_means_masked
+            q_land = segment_means_masked(q, keep, num_landmarks)
+            k_land = segment_means_masked(k, keep, num_landmarks)
+        else:
+            q_land = segment_means(q, num_landmarks)
+            k_land = segment_means(k * keep4, num_landmarks)
+        # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
+        w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias)
+        work = torch.promote_types(dtype, torch.float32)
+        # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
+        with torch.autocast(q.device.type, enabled=False):
+            scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (d ** -0.5)
+            a = torch.softmax(scores, dim=-1)
+            z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
+            zw = (z @ w.to(work)).to(dtype)
+        out = F.scaled_dot_product_attention(q, k_land, zw)
+
+    if conv_weight is not None:
+        if use_triton:
+            from .nystrom_triton import conv_add
+            return conv_add(v, keep, conv_weight, out)
+        out = out + depthwise_conv(v * keep4, conv_weight)
+    return out

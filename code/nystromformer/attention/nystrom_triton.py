@@ -1,0 +1,328 @@
+"""Triton kernels for the fast Nyström path (``nystrom_fast``), each with its autograd rule.
+
+* ``pinv_iterate(a, z0, iters)``: the paper's pseudo-inverse iteration, one program per (batch, head) matrix doing
+  every step in registers (m ≤ 128, padded to a power of two ≥ 16). The init Z₀ is computed outside in PyTorch
+  (``nystrom.pinv_init``) because ``init="original"`` needs a max over the whole batch (a global reduction before
+  the per-matrix kernel), and so that its gradient is autograd's. Backward: one program per matrix, walking the
+  steps in reverse; the iterate of step i is recomputed from Z₀ in registers (O(iters²) small products, no
+  scratch memory and no intra-block global-memory round trip).
+* ``segment_means_masked(x, keep, m)``: means of ``x·keep`` over the reference's m segments (floor(p·m/n) = i),
+  fp32 accumulation, fusing the padding multiply. Backward in PyTorch (a gather and a multiply).
+* ``conv_add(v, keep, w, res)``: ``res + Conv2d_{(k,1), groups=h}(v·keep)`` (the reference's depthwise conv along
+  the sequence, shared over the head dim) in one pass, fusing the mask and the residual add; backward: the
+  input gradient is the same kernel with flipped taps (and the mask on the output), the weight gradient a
+  per-block partial reduction summed in PyTorch.
+
+Every kernel takes arbitrary strides for its big (b, h, n, d) inputs: the model's q, k, v are transposed views.
+Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``tests/test_nystrom_fast.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # triton is an optional dependency (the `test` extra installs it; CUDA images ship it with torch)
+    import triton
+    import triton.language as tl
+except Exception as exc:  # pragma: no cover - depends on the environment
+    triton = None
+    _IMPORT_ERROR = exc
+else:
+    _IMPORT_ERROR = None
+
+MAX_LANDMARKS = 128
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _block(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pinv_step(a, z, eye, PREC: tl.constexpr):
+        p = tl.dot(a, z, input_precision=PREC)
+        s1 = tl.dot(p, 7.0 * eye - p, input_precision=PREC)
+        s2 = tl.dot(p, 15.0 * eye - s1, input_precision=PREC)
+        return 0.25 * tl.dot(z, 13.0 * eye - s2, input_precision=PREC)
+
+    @triton.jit
+    def _pinv_fwd_kernel(A, Z0, Z, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        inside = (r[:, None] < m) & (r[None, :] < m)
+        off = pid * m * m + r[:, None] * m + r[None, :]
+        a = tl.load(A + off, mask=inside, other=0.0)
+        z = tl.load(Z0 + off, mask=inside, other=0.0)
+        eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
+        for _ in range(ITERS):
+            z = _pinv_step(a, z, eye, PREC)
+        tl.store(Z + off, z, mask=inside)
+
+    @triton.jit
+    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        inside = (r[:, None] < m) & (r[None, :] < m)
+        off = pid * m * m + r[:, None] * m + r[None, :]
+        a = tl.load(A + off, mask=inside, other=0.0)
+        z0 = tl.load(Z0 + off, mask=inside, other=0.0)
+        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
+        eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
+        da = tl.zeros_like(a)
+        at = tl.trans(a)
+        for s in range(ITERS):
+            z = z0
+            for _ in range(ITERS - 1 - s):  # recompute the iterate that entered step ITERS-1-s
+                z = _pinv_step(a, z, eye, PREC)
+            # forward of the step: P = AZ, T1 = 7I - P, S1 = P T1, T2 = 15I - S1, S2 = P T2, T3 = 13I - S2,
+            # out = Z T3 / 4
+            p = tl.dot(a, z, input_precision=PREC)
+            t1 = 7.0 * eye - p
+            t2 = 15.0 * eye - tl.dot(p, t1, input_precision=PREC)
+            t3 = 13.0 * eye - tl.dot(p, t2, input_precision=PREC)
+            pt = tl.trans(p)
+            zt = tl.trans(z)
+            dz = 0.25 * tl.dot(g, tl.trans(t3), input_precision=PREC)
+            ds2 = -0.25 * tl.dot(zt, g, input_precision=PREC)
+            dp = tl.dot(ds2, tl.trans(t2), input_precision=PREC)
+            ds1 = -tl.dot(pt, ds2, input_precision=PREC)
+            dp += tl.dot(ds1, tl.trans(t1), input_precision=PREC)
+            dp -= tl.dot(pt, ds1, input_precision=PREC)
+            da += tl.dot(dp, zt, input_precision=PREC)
+            g = dz + tl.dot(at, dp, input_precision=PREC)
+        tl.store(DA + off, da, mask=inside)
+        tl.store(DZ0 + off, g, mask=inside)
+
+    @triton.jit
+    def _segmeans_kernel(X, sxb, sxh, sxn, sxd, KEEP, OUT, H, N, M, D, NCHUNK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+        bh = tl.program_id(0)
+        i = tl.program_id(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        start = (i * N + M - 1) // M
+        end = ((i + 1) * N + M - 1) // M
+        cols = tl.arange(0, BLOCK_D)
+        base = X + b * sxb + h * sxh
+        if IS_F64:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for c in range(NCHUNK):  # constexpr trip count (segments are at most NCHUNK * BLOCK_N long)
+            rows = start + c * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = rows < end
+            x = tl.load(base + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                        mask=valid[:, None] & (cols[None, :] < D), other=0.0)
+            kp = tl.load(KEEP + b * N + rows, mask=valid, other=0.0)
+            acc += x.to(acc.dtype) * kp[:, None].to(acc.dtype)
+        mean = tl.sum(acc, axis=0) / (end - start)
+        tl.store(OUT + (bh.to(tl.int64) * M + i) * D + cols, mean, mask=cols < D)
+
+    @triton.jit
+    def _dwconv_kernel(X, sxb, sxh, sxn, sxd, KEEP, W, RES, srb, srh, srn, srd, OUT, H, N, D, KS: tl.constexpr,
+                       IN_MASK: tl.constexpr, OUT_MASK: tl.constexpr, HAS_RES: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+        # OUT[b,h,i,:] = RES[b,h,i,:] + out_keep[i] * sum_t W[h,t] * in_keep[i+t-KS//2] * X[b,h,i+t-KS//2,:]
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols[None, :] < D
+        base = X + b * sxb + h * sxh
+        if IS_F64:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        pad = KS // 2
+        for t in range(KS):
+            src = rows + t - pad
+            valid = (src >= 0) & (src < N)
+            x = tl.load(base + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                        mask=valid[:, None] & cmask, other=0.0).to(acc.dtype)
+            if IN_MASK:
+                kp = tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(acc.dtype)
+                x = x * kp[:, None]
+            w = tl.load(W + h * KS + t).to(acc.dtype)
+            acc += w * x
+        rmask = rows < N
+        if OUT_MASK:
+            kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0).to(acc.dtype)
+            acc = acc * kp[:, None]
+        if HAS_RES:
+            res = tl.load(RES + b * srb + h * srh + rows[:, None].to(tl.int64) * srn + cols[None, :] * srd,
+                          mask=rmask[:, None] & cmask, other=0.0)
+            acc += res.to(acc.dtype)
+        out = OUT + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :]
+        tl.store(out, acc, mask=rmask[:, None] & cmask)
+
+    @triton.jit
+    def _dwconv_wgrad_kernel(X, sxb, sxh, sxn, sxd, KEEP, G, PART, H, N, D, KS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+        # PART[bh, blk, t] = sum_{i in blk, :} G[b,h,i,:] * keep[i+t-KS//2] * X[b,h,i+t-KS//2,:]
+        bh = tl.program_id(0)
+        blk = tl.program_id(1)
+        nblk = tl.num_programs(1)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols[None, :] < D
+        if IS_F64:
+            g = tl.load(G + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :],
+                        mask=(rows[:, None] < N) & cmask, other=0.0).to(tl.float64)
+        else:
+            g = tl.load(G + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :],
+                        mask=(rows[:, None] < N) & cmask, other=0.0).to(tl.float32)
+        base = X + b * sxb + h * sxh
+        pad = KS // 2
+        for t in range(KS):
+            src = rows + t - pad
+            valid = (src >= 0) & (src < N)
+            x = tl.load(base + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                        mask=valid[:, None] & cmask, other=0.0).to(g.dtype)
+            kp = tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(g.dtype)
+            s = tl.sum(tl.sum(g * x * kp[:, None], axis=1), axis=0)
+            tl.store(PART + (bh.to(tl.int64) * nblk + blk) * KS + t, s)
+
+
+def _check():
+    if triton is None:
+        raise RuntimeError(f"triton is not importable: {_IMPORT_ERROR}")
+
+
+# ----------------------------------------------------------------------------------------------- pinv
+class _PinvIterate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, z0, iters, precision):
+        a = a.contiguous()
+        z0 = z0.contiguous()
+        m = a.shape[-1]
+        bsz = a.numel() // (m * m)
+        out = torch.empty_like(a)
+        block = _block(m)
+        _pinv_fwd_kernel[(bsz,)](a, z0, out, m, ITERS=iters, BLOCK=block, PREC=precision,
+                                 num_warps=4 if block <= 64 else 8)
+        ctx.save_for_backward(a, z0)
+        ctx.iters, ctx.precision = iters, precision
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, z0 = ctx.saved_tensors
+        m = a.shape[-1]
+        bsz = a.numel() // (m * m)
+        da = torch.empty_like(a)
+        dz0 = torch.empty_like(a)
+        block = _block(m)
+        _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, m, ITERS=ctx.iters, BLOCK=block,
+                                 PREC=ctx.precision, num_warps=8 if block <= 64 else 16)
+        return da, dz0, None, None
+
+
+def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str = "ieee") -> torch.Tensor:
+    """``iters`` steps of Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ))) from ``z0``, for every matrix in a (..., m, m)."""
+    _check()
+    m = a.shape[-1]
+    if a.shape[-2] != m or m > MAX_LANDMARKS:
+        raise ValueError(f"pinv kernel: needs square matrices with m <= {MAX_LANDMARKS}, got {tuple(a.shape)}")
+    if a.dtype not in (torch.float32, torch.float64):
+        raise ValueError("pinv kernel: computes in float32 or float64")
+    return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision)
+
+
+# ----------------------------------------------------------------------------------------------- segment means
+def _seg_ids(n: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    seg = torch.arange(n, device=device) * m // n
+    counts = torch.bincount(seg, minlength=m)
+    return seg, counts
+
+
+class _SegmentMeans(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, keep, m):
+        b, h, n, d = x.shape
+        out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
+        keep_c = keep.contiguous()
+        block_d = triton.next_power_of_2(d)
+        seg_len = -(-n // m)
+        block_n = max(1, min(64, triton.next_power_of_2(seg_len)))
+        _segmeans_kernel[(b * h, m)](x, *x.stride(), keep_c, out, h, n, m, d, NCHUNK=triton.cdiv(seg_len, block_n),
+                                     BLOCK_N=block_n, BLOCK_D=block_d,
+                                     IS_F64=x.dtype == torch.float64)
+        ctx.save_for_backward(keep_c)
+        ctx.n, ctx.m = n, m
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (keep,) = ctx.saved_tensors
+        seg, counts = _seg_ids(ctx.n, ctx.m, g.device)
+        gx = (g / counts.to(g.dtype)[:, None]).index_select(-2, seg) * keep.to(g.dtype)[:, None, :, None]
+        return gx, None, None
+
+
+def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
+    """``nystrom.segment_means(x * keep[:, None, :, None], m)`` for x (b, h, n, d) and keep (b, n)."""
+    _check()
+    return _SegmentMeans.apply(x, keep, m)
+
+
+# ----------------------------------------------------------------------------------------------- depthwise conv
+def _conv_launch(x, keep, w, res, in_mask, out_mask):
+    b, h, n, d = x.shape
+    ks = w.shape[-1]
+    out = torch.empty(b, h, n, d, device=x.device, dtype=x.dtype if res is None else res.dtype)
+    block_d = triton.next_power_of_2(d)
+    block_n = 64
+    rs = res.stride() if res is not None else (0, 0, 0, 0)
+    _dwconv_kernel[(b * h, triton.cdiv(n, block_n))](
+        x, *x.stride(), keep, w, res if res is not None else x, *rs, out, h, n, d, KS=ks,
+        IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_F64=x.dtype == torch.float64)
+    return out
+
+
+class _ConvAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, v, keep, weight, res):
+        h, ks = weight.shape[0], weight.shape[2]
+        w = weight.reshape(h, ks).contiguous()
+        keep_c = keep.contiguous()
+        out = _conv_launch(v, keep_c, w, res, in_mask=True, out_mask=False)
+        ctx.save_for_backward(v, keep_c, w)
+        ctx.wshape = weight.shape
+        ctx.has_res = res is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        v, keep, w = ctx.saved_tensors
+        g = g.contiguous()
+        b, h, n, d = v.shape
+        ks = w.shape[-1]
+        dv = dw = None
+        if ctx.needs_input_grad[0]:
+            dv = _conv_launch(g, keep, w.flip(-1).contiguous(), None, in_mask=False, out_mask=True).to(v.dtype)
+        if ctx.needs_input_grad[2]:
+            block_n = 64
+            nblk = triton.cdiv(n, block_n)
+            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+            part = torch.empty(b * h, nblk, ks, device=v.device, dtype=acc)
+            _dwconv_wgrad_kernel[(b * h, nblk)](v, *v.stride(), keep, g, part, h, n, d, KS=ks, BLOCK_N=block_n,
+                                                BLOCK_D=triton.next_power_of_2(d), IS_F64=acc == torch.float64)
+            dw = part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).to(w.dtype).reshape(ctx.wshape)
+        return dv, None, dw, (g if ctx.has_res else None)
+
+
+def conv_add(v: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, res=None) -> torch.Tensor:
+    """``res + Conv2d(h, h, (k, 1), padding=(k//2, 0), groups=h, bias=False)(v * keep)`` with the Conv2d's
+    weight (h, 1, k, 1); v (b, h, n, d) any strides, keep (b, n)."""
+    _check()
+    if res is not None and res.shape != v.shape:
+        raise ValueError("conv_add: res must have v's shape")
+    return _ConvAdd.apply(v, keep, weight, res)
