@@ -76,7 +76,7 @@ docker-build: ## build the Docker image IMAGE from docker/Dockerfile
 	docker build -f docker/Dockerfile -t $(IMAGE) .
 
 docker-pretrain: ## pretrain MODEL in Docker on all GPUs (stop with docker stop; rerun to resume)
-	docker run --rm --gpus all --ipc=host --name nystromformer-$(MODEL) \
+	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(MODEL) \
 	  -v $(CURDIR)/$(MODEL):/workspace/$(MODEL) \
 	  -v $(CURDIR)/data-preprocessing:/workspace/data-preprocessing \
 	  -v $(CURDIR)/glue:/workspace/glue \

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nystromformer import checkpoint
-from nystromformer.config import load_config
+from nystromformer.config import ConfigError, load_config
 from nystromformer.mlm import generator, mask_tokens
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
 from nystromformer.pretrain import PREEMPTED_EXIT_CODE, pretrain
@@ -218,7 +218,7 @@ def test_ddp_with_two_cpu_processes_matches_one_process_with_the_same_global_bat
     double = model_dir(tmp_path, "ddp", **settings)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29517", str(REPO / "code" / "run_pretrain.py"),
+                           "--standalone", str(REPO / "code" / "run_pretrain.py"),
                            "--model-dir", str(double), "--no-progress"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -226,3 +226,49 @@ def test_ddp_with_two_cpu_processes_matches_one_process_with_the_same_global_bat
     assert [s for s, _ in one] == [s for s, _ in two]
     assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(one, two)), (one, two)
     assert losses(single, "dev")[0][1] == pytest.approx(losses(double, "dev")[0][1], abs=1e-5)
+
+
+@pytest.mark.parametrize("section,key,value", [("pretraining_setting", "epoch", 4),
+                                               ("pretraining_setting", "learning_rate", 1e-3),
+                                               ("model", "num_landmarks", 4)])
+def test_resuming_under_a_config_that_changes_the_run_is_refused_naming_the_key(tmp_path, data, section, key, value):
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[section][key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"{section}.{key}: is .* but .*step-00000005.cp was trained with"):
+        run(folder)
+
+
+def test_settings_that_do_not_change_the_run_may_change_on_resume(tmp_path, data):
+    # inst_per_gpu only splits the batch differently (with dropout, the masks are drawn differently: off here).
+    reference = model_dir(tmp_path, "reference", model={"dropout_prob": 0.0})
+    run(reference)
+    folder = model_dir(tmp_path, model={"dropout_prob": 0.0})
+    run(folder, stop_at_step=6)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["gpu_setting"]["inst_per_gpu"] = 4
+    cfg["pretraining_setting"]["batches_per_report"] = 3
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert run(folder) == 0
+    assert [s for s, _ in losses(folder)] == [s for s, _ in losses(reference)]
+    assert all(abs(a - b) < 1e-5 for (_, a), (_, b) in zip(losses(folder), losses(reference)))
+
+
+def test_a_torn_last_log_line_and_stale_temp_files_do_not_block_resume(tmp_path, uninterrupted):
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=6)
+    with open(folder / "model" / "pretrain_output.log", "a") as f:
+        f.write('{"type": "train", "ep')  # killed mid-write
+    stale = folder / "model" / ".cp-0001.cp.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    assert run(folder) == 0
+    assert losses(folder) == uninterrupted[0]
+    assert not stale.exists()
+
+
+def test_stop_at_step_at_or_past_the_end_finishes_normally(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    assert run(folder, stop_at_step=4) == 0
+    assert run(folder, stop_at_step=4) == 0  # nothing left to do

@@ -53,6 +53,12 @@ def save_preempted(checkpoint_dir: Path, state: dict) -> Path:
     return path
 
 
+def remove_stale_temp_files(checkpoint_dir: Path) -> None:
+    """Temporary files of atomic writes interrupted by a hard kill (they can be GBs)."""
+    for path in Path(checkpoint_dir).glob(".*.tmp"):
+        path.unlink()
+
+
 def resumable_checkpoints(checkpoint_dir: Path, batches_per_epoch: int) -> List[Tuple[int, Path]]:
     """(global step, path) of every resumable checkpoint in the folder, newest first."""
     found = []

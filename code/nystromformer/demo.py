@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from . import jsonlog
 from .cli import add_subcommand
 from .config import load_config
 
@@ -49,7 +49,7 @@ def nystromformer(*args: str, check: bool = True) -> int:
 def train_steps(log: Path) -> List[int]:
     if not log.is_file():
         return []
-    return [e["step"] for e in map(json.loads, log.read_text().splitlines()) if e.get("type") == "train"]
+    return [e["step"] for e in jsonlog.read(log) if e.get("type") == "train"]
 
 
 def pretrain_with_interruption(model_dir: Path) -> int:
@@ -73,10 +73,6 @@ def pretrain_with_interruption(model_dir: Path) -> int:
     if steps != list(range(1, len(steps) + 1)):
         raise DemoError(f"{log}: the resumed log is not one contiguous run of steps")
     return stopped
-
-
-def read_jsonl(path: Path) -> List[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def glue_result(model_dir: Path, task_name: str) -> dict:
@@ -112,7 +108,7 @@ def summary(out: Path, interrupted_at: int, task: str) -> str:
     unigram = most_frequent_token_share(out / "data-128")
     rows = ["| model | checkpoint | dev MLM loss | dev MLM accuracy |", "|---|---|---|---|"]
     for name in ("tiny-128", "tiny-512"):
-        for e in read_jsonl(out / name / "model" / "validation_output.log"):
+        for e in jsonlog.read(out / name / "model" / "validation_output.log"):
             rows.append(f"| {name} | {e['checkpoint']} | {e['loss']:.3f} | {e['mlm_accu']:.3f} |")
     result = glue_result(out / "tiny-128", task)
     lines = [
@@ -121,7 +117,7 @@ def summary(out: Path, interrupted_at: int, task: str) -> str:
         f"warm-started from tiny-128's last checkpoint with from_cp. Chance MLM accuracy is 1/{vocab} = {1 / vocab:.4f}; "
         f"always predicting the commonest token would score {unigram:.3f}.",
         "", *rows, "",
-        f"| fine-tuning task | metric | best dev score | majority-class dev score |", "|---|---|---|---|",
+        "| fine-tuning task | metric | best dev score | majority-class dev score |", "|---|---|---|---|",
         f"| {task} (demo sample) | {result['metric']} | {result['score']:.3f} | {result['majority']:.3f} |", "",
         f"Loss curves: {out / 'loss-curves.png'}",
     ]

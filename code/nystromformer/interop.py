@@ -25,7 +25,7 @@ import torch
 from . import atomic, checkpoint
 from .cli import add_subcommand
 from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config
-from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
+from .model import POSITION_OFFSET, NystromformerForMaskedLM
 
 PathLike = Union[str, Path]
 # transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.

@@ -5,17 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict
 
+from . import jsonlog
 from .cli import add_subcommand
 from .config import load_config
 from .pretrain import LOG_NAME
-
-
-def read_log(path: Path) -> List[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
@@ -26,7 +22,7 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     for (label, path), colour in zip(logs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        entries = read_log(path)
+        entries = jsonlog.read(path)
         train = [e for e in entries if e["type"] == "train"]
         dev = [e for e in entries if e["type"] == "dev"]
         if train:

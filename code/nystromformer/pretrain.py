@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 8 code/run_pretrain.py --model-dir nystrom-512
 
 Re-running the same command resumes from the newest complete checkpoint. SIGTERM (preemption,
-``docker stop``) finishes the current step, writes ``step-NNNNNNNN.cp`` and exits with status 143.
+``docker stop``) finishes the current step, writes ``step-NNNNNNNN.cp`` and exits with status 143
+(torchrun, if it receives the signal itself, exits with 1).
 """
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import atomic, checkpoint
+from . import checkpoint
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
+from .jsonlog import JsonLog
 from .mlm import STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate, generator, mask_tokens, micro_batches
 from .model import NystromformerForMaskedLM
 from .shards import ShardedSequences, ShardError
@@ -61,7 +62,8 @@ def setup_runtime(cfg: Config, device: Optional[str] = None) -> Runtime:
     autocast_dtype = None
     if cfg.model.mixed_precision and dev.type == "cuda":
         # bf16 needs no loss scaling; older GPUs get fp16 with a GradScaler.
-        autocast_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        autocast_dtype = torch.bfloat16 if native_bf16 else torch.float16
     return Runtime(rank, world_size, dev, autocast_dtype)
 
 
@@ -81,26 +83,6 @@ class PreemptionFlag:
         flag = torch.tensor([float(self.requested)], device=rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         return bool(flag.item())
-
-
-class JsonLog:
-    """One JSON object per line, as the paper's pretrain_output.log; entries past a resume point are
-    dropped on resume so the log reads as one uninterrupted run."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
-
-    def truncate_after(self, step: int) -> None:
-        if not self.enabled or not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        atomic.write_text(self.path, "".join(line + "\n" for line in kept))
-
-    def write(self, **entry) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -129,6 +111,39 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# Keys that may change between a run and its resumption: they do not change what is computed.
+RESUME_MAY_CHANGE = {
+    "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
+    "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch"},
+    "gpu_setting": {"inst_per_gpu"},
+}
+
+
+def check_resumable_config(saved: Optional[dict], cfg: Config, path: str) -> None:
+    """Refuse to resume under a config that changes the run (schedule, data position, architecture): the
+    resumed run would silently differ from the one it continues."""
+    if not saved:
+        return
+    current = cfg.to_dict()
+    for section in ("model", "pretraining_setting", "gpu_setting"):
+        for key, old in saved.get(section, {}).items():
+            new = current[section].get(key)
+            if old != new and key not in RESUME_MAY_CHANGE[section]:
+                raise ConfigError(
+                    f"{section}.{key}: is {json.dumps(new)} but {path} was trained with {json.dumps(old)}; "
+                    f"resuming would not continue that run. Restore the value, or start a new model folder with "
+                    f'"from_cp" pointing at this checkpoint')
+
+
+def _check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
+    steps = torch.tensor([step, -step], device=rt.device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    if steps[0].item() != -steps[1].item():
+        raise checkpoint.CheckpointError(
+            f"ranks resumed from different steps (between {-steps[1].item()} and {steps[0].item()}): every node "
+            f"must see the same checkpoint folder")
 
 
 def check_data(cfg: Config, data: ShardedSequences) -> None:
@@ -170,12 +185,16 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.autocast_dtype == torch.float16)
 
     step = 0
+    if rt.is_main:
+        checkpoint.remove_stale_temp_files(ckpt_dir)
     state = checkpoint.load_newest_resumable(ckpt_dir, ps.batches_per_epoch, log=say)
     if state is not None:
+        check_resumable_config(state.get("config"), cfg, state["path"])
         model.load_state_dict(state["model_state_dict"])
         optimizer.load_state_dict(state["optimizer_state_dict"])
         scheduler.load_state_dict(state["scheduler_state_dict"])
-        scaler.load_state_dict(state["scaler_state_dict"])
+        if state["scaler_state_dict"] and scaler.is_enabled():  # empty when saved by a bf16 or CPU run
+            scaler.load_state_dict(state["scaler_state_dict"])
         set_rng_state(state["rng_state"])
         step = state["step"]
         say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
@@ -192,6 +211,7 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
 
     ddp_model = model
     if rt.world_size > 1:
+        _check_same_step_on_every_rank(step, rt)
         # Reformer's shared-QK attention leaves the key projection without a gradient.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
@@ -214,6 +234,9 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
                 "inst_pass": step * ps.batch_size, "config": cfg.to_dict()}
 
     model.train()
+    if stop_at_step is not None and step >= stop_at_step and step < total_steps:
+        say(f"already at step {step} >= --stop-at-step {stop_at_step}; nothing to do")
+        return PREEMPTED_EXIT_CODE
     while step < total_steps:
         epoch = step // ps.batches_per_epoch
         bar = tqdm(total=ps.batches_per_epoch, initial=step % ps.batches_per_epoch, desc=f"epoch {epoch}",
@@ -272,16 +295,20 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
                 return PREEMPTED_EXIT_CODE
         bar.close()
 
-        if dev is not None:
+        # Checkpoint first: a preemption's grace period (10 s for `docker stop`) may not cover the dev pass.
+        if rt.is_main:
+            checkpoint.save_epoch(ckpt_dir, epoch, state_dict())
+        _barrier(rt)
+        preempted = preemption.agreed(rt)
+        stopping = preempted or (stop_at_step is not None and step >= stop_at_step)
+        if dev is not None and not preempted:
             metrics = evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
                                ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
             log.write(type="dev", epoch=epoch, step=step, **metrics)
             say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}")
-        if rt.is_main:
-            checkpoint.save_epoch(ckpt_dir, epoch, state_dict())
-        _barrier(rt)
-        if (stop_at_step is not None and step >= stop_at_step) or (preemption.agreed(rt) and step < total_steps):
-            say(f"stopped after epoch {epoch}; run the same command again to resume.")
+        if stopping and step < total_steps:
+            skipped = " (dev evaluation skipped: `validate` fills it in)" if preempted and dev is not None else ""
+            say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
             return PREEMPTED_EXIT_CODE
     say(f"pretraining finished: {step} steps; checkpoints in {ckpt_dir}")
     return 0

@@ -11,9 +11,8 @@ import sys
 import time
 from typing import List, Optional
 
-import torch
 
-from . import checkpoint
+from . import checkpoint, jsonlog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .mlm import evaluate
@@ -28,7 +27,7 @@ def validated_checkpoints(cfg: Config) -> set:
     path = cfg.checkpoint_dir / LOG_NAME
     if not path.is_file():
         return set()
-    return {json.loads(line)["checkpoint"] for line in path.read_text().splitlines() if line.strip()}
+    return {e["checkpoint"] for e in jsonlog.read(path) if "checkpoint" in e}
 
 
 def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,

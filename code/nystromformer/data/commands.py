@@ -1,7 +1,6 @@
 """``nystromformer`` subcommands of the data pipeline: extract-wiki, preprocess, train-tokenizer, build-shards."""
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from pathlib import Path
