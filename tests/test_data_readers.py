@@ -101,3 +101,10 @@ def test_missing_input_folder_is_an_error_naming_it(tmp_path):
 def test_data_commands_are_registered_in_the_cli():
     from nystromformer import cli
     assert "nystromformer.data.commands" in cli.COMMAND_MODULES
+
+
+def test_a_lone_carriage_return_inside_a_document_is_text_not_a_document_boundary(tmp_path):
+    from nystromformer.data.partitions import read_partition
+    path = tmp_path / "part-00000.txt"
+    path.write_bytes("first line\rsame document\r\rstill the same\n\nsecond document\n\n".encode())
+    assert list(read_partition(path)) == ["first line\rsame document\r\rstill the same", "second document"]

@@ -81,3 +81,18 @@ def test_other_tokenizers_use_the_library(tmp_path):
     encoder = DocumentEncoder(tokenizer)
     assert encoder.fast is None
     assert encoder.encode(["hello world there"])[0].tolist() == [1, 2, 0]
+
+
+def test_letters_newer_than_the_tokenizers_unicode_tables_fall_back_to_the_library(roberta):
+    # U+0558 is a letter in recent Unicode (the `regex` package) but unassigned in older tables.
+    docs = ["a\u0558's b", "x \U0001E030's y", "plain text's fine"]
+    encoder = DocumentEncoder(roberta)
+    assert [i.tolist() for i in encoder.encode(docs)] == [library_ids(roberta, d) for d in docs]
+
+
+def test_added_tokens_of_any_spelling_go_through_the_library(roberta):
+    roberta = load_tokenizer(roberta.name_or_path)
+    roberta.add_tokens(["[NEWTOK]"])
+    doc = "a [NEWTOK] b"
+    (ids,) = DocumentEncoder(roberta).encode([doc])
+    assert ids.tolist() == library_ids(roberta, doc)

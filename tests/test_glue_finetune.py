@@ -187,3 +187,18 @@ def test_parallel_sweep_runs_each_configuration_in_its_own_subprocess(fixture_mo
         assert (out / "result.json").is_file() and (out / "console.txt").is_file()
         assert len(read_submission(out / "submission" / "QNLI.tsv")) == 2
     assert len(outcome["summary"]["rows"]) == 2
+
+
+def test_a_finished_run_counts_only_for_the_settings_it_was_run_with(tmp_path):
+    import dataclasses
+    import json as _json
+
+    from nystromformer.glue.finetune import FinetuneSettings, read_result, run_dir
+    settings = FinetuneSettings(task="RTE", checkpoint=0, lr=2e-5, batch_size=16, epochs=2, max_train_examples=100)
+    folder = run_dir(tmp_path, settings)
+    folder.mkdir(parents=True)
+    (folder / "result.json").write_text(_json.dumps({"settings": dataclasses.asdict(settings), "best_score": 0.5}))
+    assert read_result(tmp_path, settings)["best_score"] == 0.5
+    assert read_result(tmp_path, dataclasses.replace(settings, progress=False, device="cpu")) is not None
+    assert read_result(tmp_path, dataclasses.replace(settings, max_train_examples=None)) is None
+    assert read_result(tmp_path, dataclasses.replace(settings, seed=1)) is None

@@ -91,7 +91,9 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
 def read_partition(path: Path) -> Iterator[str]:
     """Documents of one partition file, streamed (blank lines separate documents)."""
     lines: List[str] = []
-    with open(path, encoding="utf-8") as f:
+    # newline="\n": a lone \r inside a document is text, not a line break (universal newlines would turn
+    # "\r\r" into a blank line, i.e. a document boundary).
+    with open(path, encoding="utf-8", newline="\n") as f:
         for line in f:
             if line.strip():
                 lines.append(line)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import unicodedata
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence
 
@@ -32,8 +33,10 @@ BATCH_CHARS = 1 << 20  # encode ~1 MB of text per call: large enough to keep the
 
 # GPT-2's pre-tokenizer pattern, which the ByteLevel pre-tokenizer of `tokenizers` uses (use_regex=True).
 BYTE_LEVEL_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-PROBE_TEXT = ("Hello world!  It's 3.14159 -- naïve café, 東京 and Ελληνικά; tabs\tand\nnew lines,   spaces "
-              "\u200d emoji 👍🏽 and don't we'll I'm they've")
+PROBE_TEXTS = ("Hello world!  It's 3.14159 -- naïve café, 東京 and Ελληνικά; tabs\tand\nnew lines,   spaces "
+               "\u200d emoji 👍🏽 and don't we'll I'm they've",
+               # Letters of recent Unicode versions: unassigned (so sent to the library) in older Python tables.
+               "\u0558's", "\U0001E030's")
 WORD_CACHE_CAPACITY = 1 << 20  # distinct words kept (~100 MB at most); the cache restarts when full
 
 
@@ -72,9 +75,19 @@ class WordCachedBPE:
                 and pre.get("type") == "ByteLevel" and not pre.get("add_prefix_space") and pre.get("use_regex", True))
 
     def has_special_text(self, document: str) -> bool:
-        return "<" in document and any(token in document for token in self.special)
+        return any(token in document for token in self.special)
 
-    def encode(self, document: str) -> List[int]:
+    def encode_word(self, word: str) -> tuple:
+        """The word's ids; () when the word holds a code point unassigned in Python's Unicode tables: the
+        `regex` package may know it as a letter where the tokenizer's older tables do not, and split
+        differently, so such documents go to the library."""
+        if not word.isascii() and any(unicodedata.category(c) == "Cn" for c in word):
+            return ()
+        mapped = "".join([self.byte_chars[b] for b in word.encode("utf-8")])
+        return tuple(token.id for token in self.model.tokenize(mapped))
+
+    def encode(self, document: str) -> Optional[List[int]]:
+        """Ids of the document, or None when it must go through the library (see ``encode_word``)."""
         ids: List[int] = []
         cache, extend = self.cache, ids.extend
         for word in self.split(document):
@@ -82,8 +95,9 @@ class WordCachedBPE:
             if word_ids is None:
                 if len(cache) >= WORD_CACHE_CAPACITY:
                     cache.clear()
-                mapped = "".join([self.byte_chars[b] for b in word.encode("utf-8")])
-                word_ids = cache[word] = [token.id for token in self.model.tokenize(mapped)]
+                word_ids = cache[word] = self.encode_word(word)
+            if not word_ids:
+                return None
             extend(word_ids)
         return ids
 
@@ -100,7 +114,8 @@ class DocumentEncoder:
             allow_word_cache = not os.environ.get("NYSTROMFORMER_NO_WORD_CACHE")
         if allow_word_cache and WordCachedBPE.applies_to(self.backend):
             fast = WordCachedBPE(self.backend)
-            if fast.encode(PROBE_TEXT) == self._encode_with_backend([PROBE_TEXT])[0]:
+            # A probe the fast path declines (None) goes to the library anyway; one it encodes must agree.
+            if all(fast.encode(t) in (None, self._encode_with_backend([t])[0]) for t in PROBE_TEXTS):
                 self.fast = fast
             else:
                 log.warning("the word-cached BPE disagrees with the tokenizer on a probe text; using the Rust backend")
@@ -113,8 +128,9 @@ class DocumentEncoder:
             return [np.asarray(ids, dtype=np.int64) for ids in self._encode_with_backend(documents)]
         out = []
         for document in documents:
-            ids = (self._encode_with_backend([document])[0] if self.fast.has_special_text(document)
-                   else self.fast.encode(document))
+            ids = None if self.fast.has_special_text(document) else self.fast.encode(document)
+            if ids is None:
+                ids = self._encode_with_backend([document])[0]
             out.append(np.asarray(ids, dtype=np.int64))
         return out
 

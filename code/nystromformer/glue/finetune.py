@@ -84,15 +84,23 @@ def log_path(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
     return Path(checkpoint_dir) / f"glue-{settings.run_name}.log"
 
 
+# Settings that do not change a run's results (so a finished run still counts when they differ).
+PRESENTATION_SETTINGS = {"progress", "device", "eval_batch_size"}
+
+
 def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
-    """The result of a finished run, or None when the run has not completed."""
+    """The result of a finished run with these settings, or None when no such run has completed (a run of the
+    same name made with other settings -- seed, subset sizes, warm-up... -- does not count)."""
     path = run_dir(checkpoint_dir, settings) / "result.json"
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        result = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
+    wanted = {k: v for k, v in dataclasses.asdict(settings).items() if k not in PRESENTATION_SETTINGS}
+    stored = {k: v for k, v in result.get("settings", {}).items() if k not in PRESENTATION_SETTINGS}
+    return result if stored == wanted else None
 
 
 def resolve_tokenizer(cfg: Config):
@@ -297,7 +305,9 @@ def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer,
             log(f"no {file_name} submission: {e}")
             continue
         if result.report():
-            log(f"warning: {result.report()} (no prediction for those rows)")
+            # The GLUE server rejects a file with missing indices: say so loudly rather than write a bad file.
+            log(f"error: {result.report()}; {file_name} not written (the GLUE server needs every index)")
+            continue
         loader = DataLoader(EncodedDataset(result.examples, tokenizer, max_seq_len, with_token_types),
                             batch_size=batch_size, collate_fn=collate)
         predictions = format_predictions(task.labels, runner.predict(loader))

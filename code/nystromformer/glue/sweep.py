@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import atomic
 from ..config import load_config
-from .finetune import FinetuneSettings, finetune, read_result, run_dir
+from .finetune import FinetuneSettings, SettingsError, finetune, read_result, run_dir
 from .tasks import TASKS
 
 PAPER_LRS = (2e-5, 3e-5, 4e-5, 5e-5)
@@ -49,7 +49,7 @@ def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, ch
     # run_glue.py is `nystromformer glue` without importing every other subcommand's module.
     cmd = [sys.executable, str(CODE_DIR / "run_glue.py"), "--model-dir", str(model_dir),
            *settings_to_argv(settings), "--no-progress"]
-    # The console output is a stream, not a result: it is appended, and result.json marks completion.
+    # The console output of the latest attempt (rewritten each time); result.json marks completion.
     with open(out / "console.txt", "w") as console:
         return subprocess.run(cmd, env=env, stdout=console, stderr=subprocess.STDOUT).returncode
 
@@ -103,6 +103,8 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
 def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = print) -> dict:
     """summary.csv (one row per finished configuration), summary.md (that table, the best configuration of
     each task and the GLUE average of those) and dev_scores.png (dev score per epoch)."""
+    if not runs:
+        raise SettingsError("the sweep has no runs (no tasks, learning rates or batch sizes given)")
     results = [(s, r) for s in runs if (r := read_result(checkpoint_dir, s)) is not None]
     checkpoints = sorted({s.checkpoint for s in runs})
     out = summary_dir(checkpoint_dir, checkpoints[0] if len(checkpoints) == 1 else "mixed")

@@ -153,7 +153,7 @@ def read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_lab
         raise GlueDataError(f"missing GLUE file {path}")
     label_ids = {s: i for i, s in enumerate(labels)} if labels is not None else None
     result = ReadResult([], path)
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: some GLUE files start with a BOM
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = None
         if columns.header:
