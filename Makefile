@@ -20,7 +20,8 @@ DATASETS := $(PARTITIONS)/wiki:1 $(PARTITIONS)/bookcorpus:1 $(PARTITIONS)/storie
 MODEL ?= nystrom-512
 CHECKPOINT ?= 99
 TASK ?= SST-2
-TASKS ?= CoLA SST-2 MRPC STS-B QQP MNLI QNLI RTE WNLI
+# GLUE tasks for glue-sweep: all, or comma-separated names (RTE,MRPC,STS-B)
+TASKS ?= all
 BATCH_SIZE ?= 32
 LR ?= 3e-5
 EPOCHS ?= 5
