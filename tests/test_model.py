@@ -92,3 +92,17 @@ def test_token_types_and_lengths_up_to_max_seq_len():
     assert not torch.allclose(model.logits(ids, token_type_ids=types), model.logits(ids))
     with pytest.raises(ValueError, match="exceeds model.max_seq_len 32"):
         model.logits(torch.randint(5, 64, (1, 33)))
+
+
+def test_pre_layer_norm_blocks_normalise_before_each_sublayer_and_at_the_end():
+    torch.manual_seed(4)
+    model = NystromformerForSequenceClassification(model_config(pre_layer_norm=True, num_layers=1), num_labels=2).eval()
+    enc, block = model.encoder, model.encoder.layers[0]
+    ids = torch.randint(5, 64, (2, 16))
+    mask = torch.ones_like(ids)
+    x = enc.embeddings(ids, None)
+    x = x + block.attention(block.norm1(x), mask)
+    x = x + block.ffn(block.norm2(x))
+    assert torch.allclose(enc(ids), enc.final_norm(x), atol=1e-6)
+    post = NystromformerForSequenceClassification(model_config(num_layers=1), num_labels=2)
+    assert post.encoder.final_norm is None

@@ -69,6 +69,9 @@ class ModelConfig:
     attention_grad_checkpointing: bool = False
     gelu_grad_checkpointing: bool = False
     layer_norm_eps: float = 1e-5
+    # false: post-LayerNorm blocks (the paper's BERT/RoBERTa model); true: pre-LayerNorm blocks and a final
+    # LayerNorm (the paper's LRA model).
+    pre_layer_norm: bool = False
     # Ids the embedding and MLM code need; written by the shard builder's meta.json too.
     pad_token_id: int = 1
 

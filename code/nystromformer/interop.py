@@ -99,6 +99,8 @@ def check_exportable(mc: ModelConfig) -> List[str]:
         raise InteropError(f"model.attn_type: {mc.attn_type!r} has no transformers Nystromformer equivalent "
                            f"(exportable: nystrom, softmax)")
     exact = mc.attn_type == "softmax" or mc.num_landmarks >= mc.max_seq_len
+    if mc.pre_layer_norm:
+        raise InteropError("model.pre_layer_norm: transformers' Nystromformer is post-LayerNorm")
     if mc.embedding_dim != mc.transformer_dim:
         raise InteropError(f"model.embedding_dim ({mc.embedding_dim}) != model.transformer_dim "
                            f"({mc.transformer_dim}): transformers' Nystromformer has no embedding projection "

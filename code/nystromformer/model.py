@@ -1,4 +1,5 @@
-"""The Nyströmformer model: a RoBERTa-style post-LayerNorm encoder, as in the paper's code.
+"""The Nyströmformer model: a RoBERTa-style post-LayerNorm encoder, as in the paper's code (pre-LayerNorm
+blocks with a final LayerNorm, as in the paper's LRA code, with ``pre_layer_norm``).
 
 Embeddings (word + learned position with RoBERTa's offset of 2 + token type) → LayerNorm → dropout →
 ``num_layers`` blocks of [multi-head attention → dropout → add & LayerNorm → GELU FFN → dropout → add &
@@ -99,8 +100,12 @@ class TransformerBlock(nn.Module):
         self.ffn = FeedForward(cfg)
         self.norm2 = nn.LayerNorm(cfg.transformer_dim, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout_prob)
+        self.pre_layer_norm = cfg.pre_layer_norm
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.pre_layer_norm:
+            x = x + self.dropout(self.attention(self.norm1(x), mask))
+            return x + self.dropout(self.ffn(self.norm2(x)))
         x = self.norm1(x + self.dropout(self.attention(x, mask)))
         return self.norm2(x + self.dropout(self.ffn(x)))
 
@@ -113,6 +118,7 @@ class Encoder(nn.Module):
         self.embedding_projection = (nn.Linear(cfg.embedding_dim, cfg.transformer_dim)
                                      if cfg.embedding_dim != cfg.transformer_dim else None)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(cfg.transformer_dim, eps=cfg.layer_norm_eps) if cfg.pre_layer_norm else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -126,7 +132,7 @@ class Encoder(nn.Module):
             x = self.embedding_projection(x)
         for layer in self.layers:
             x = layer(x, attention_mask)
-        return x
+        return x if self.final_norm is None else self.final_norm(x)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -76,7 +76,8 @@ def model_config(attn_type: str, s: RunSettings, overrides: Optional[dict] = Non
     cfg = ModelConfig(vocab_size=len(listops.VOCAB), pad_token_id=listops.PAD_ID, max_seq_len=s.max_length,
                       embedding_dim=s.dim, transformer_dim=s.dim, transformer_hidden_dim=s.ffn_dim,
                       num_layers=s.num_layers, num_head=s.num_head, head_dim=s.dim // s.num_head,
-                      dropout_prob=s.dropout, attn_type=attn_type, mixed_precision=False)
+                      dropout_prob=s.dropout, attn_type=attn_type, mixed_precision=False,
+                      pre_layer_norm=True)  # the paper's LRA model is pre-LayerNorm
     params = dict(LRA_ATTENTION.get(attn_type, {}))
     params.update(overrides or {})
     # Keep sequence-sized hyper-parameters legal when a reduced run shortens the sequences.
