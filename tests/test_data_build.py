@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nystromformer.data.build import BuildError, DatasetSpec, build_shards, parse_dataset
+from nystromformer.data.build import BuildError, build_shards, parse_dataset
 from nystromformer.data.partitions import write_partitions
 from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
 from nystromformer.data.tokenize import train_tokenizer
