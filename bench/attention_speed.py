@@ -130,6 +130,24 @@ def run(name, layer, b, n, args, device, flush):
     return statistics.median(times), peak, err
 
 
+def kernel_breakdown(name, layer, b, n, args, device, rows=14):
+    """torch.profiler's table of the kernels in one forward+backward (after a warm-up), by self device time."""
+    from torch.profiler import ProfilerActivity, profile
+    dtype, fn = make_impl(name, layer)
+    (q, k, v), mask = inputs(b, n, args.heads, args.head_dim, dtype, device, args.pad)
+    params = [q, k, v] + ([layer.conv.weight] if layer.conv is not None and name != "sdpa" else [])
+    grad = torch.randn_like(fn(q, k, v, mask))
+    for _ in range(2):
+        torch.autograd.grad(fn(q, k, v, mask), params, grad)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        torch.autograd.grad(fn(q, k, v, mask), params, grad)
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,6 +163,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="also report relative error vs the fp32 reference")
+    ap.add_argument("--kernels", nargs="*", metavar="IMPL",
+                    help="after the table, a per-kernel CUDA time breakdown (torch.profiler) of one fwd+bwd of "
+                         "these implementations at each length")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -185,6 +206,10 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['n']} | {r['batch']} | {r['impl']} | {fmt(r['ms'], '.3f')} | {fmt(r['vs_sdpa'], '.3f')} | "
               f"{fmt(r['x_floor'], '.1f')} | {fmt(r['peak_mib'], '.0f')} | {fmt(r['rel_err'], '.1e')} |")
+    for name in args.kernels or []:
+        for n in args.lengths:
+            print(f"\n# kernels of {name}, n={n}, batch={max(1, args.tokens // n)} (one fwd+bwd, self CUDA time)")
+            print(kernel_breakdown(name, layer, max(1, args.tokens // n), n, args, device))
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

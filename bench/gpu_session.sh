@@ -1,49 +1,83 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in stages that each fit the device tool's 10-minute command limit.
-# Run from the repository root on the lent machine (its python3 has torch, triton and transformers; the
-# project is used from code/ without installing). Outputs go to $OUT (the device tool brings them back).
+# Everything that needs a GPU, in stages; several stages can run in one call of the device tool (10 minutes a
+# command). Run from the repository root on the lent machine (its python3 has torch, triton and transformers;
+# the project is used from code/ without installing).
 #
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
-#   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot
+#   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
-#   bash bench/gpu_session.sh listops TYPES   # issue #8 ListOps at LRA scale for the comma-separated TYPES
+#   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
+#   bash bench/gpu_session.sh check attention model profile     # several, in order
 #
+# Each stage runs under its own time limit (STAGE_LIMIT seconds, default 300; LISTOPS_LIMIT for listops) and a
+# failing stage does not stop the next. Results go to $RESULTS (default /tmp/gpu-results), one folder per stage,
+# and are packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files) with the log $OUT/session.log.
 # Record what the tables say, with the device line they print, in docs/performance.md / docs/efficiency.md /
 # docs/results.md.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-/tmp/gpu-results}
+mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-stage=${1:?stage: check, attention, model, profile or listops}
+limit=${STAGE_LIMIT:-300}
+[ $# -gt 0 ] || { echo "stages: check attention model profile listops" >&2; exit 2; }
+exec > >(tee -a "$OUT/session.log") 2>&1
 
-case "$stage" in
-  check)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
-    "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/device.txt"
-    "$python" -m pytest -q -rs tests/test_nystrom_fast.py tests/test_attention.py tests/test_model.py 2>&1 | tee "$OUT/gpu-tests.txt"
-    ;;
-  attention)
-    "$python" bench/attention_speed.py --check --csv "$OUT/attention.csv" --plot "$OUT/attention_speed.png" | tee "$OUT/attention.md"
-    "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$OUT/attention-padded.md"
-    ;;
-  model)
-    for fp32 in true false; do
-      "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" | tee -a "$OUT/model-512.md"
-    done
-    "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax --attention-fp32 false | tee "$OUT/model-4096.md"
-    ;;
-  profile)
-    "$python" bench/efficiency_profile.py --device cuda --num-head 12 --head-dim 64 --max-length 32768 \
-      --csv "$OUT/efficiency.csv" --plot "$OUT/efficiency_gpu.png" | tee "$OUT/efficiency.md"
-    ;;
-  listops)
-    types=${2:?listops needs comma-separated attention types, e.g. softmax,nystrom}
-    "$python" -m nystromformer.cli listops-train --generate --out "$OUT/listops" --device cuda --attn-types "$types" \
-      | tee "$OUT/listops-$types.txt"
-    ;;
-  *)
-    echo "unknown stage $stage" >&2; exit 2 ;;
-esac
+stage_check() {
+  local d=$RESULTS/check; mkdir -p "$d"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
+  "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
+  timeout "$limit" "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
+    tests/test_model.py 2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
+}
+
+stage_attention() {
+  local d=$RESULTS/attention; mkdir -p "$d"
+  timeout "$limit" "$python" bench/attention_speed.py --check --csv "$d/attention.csv" --plot "$d/attention_speed.png" \
+    --kernels fast-triton > "$d/attention.md"
+  sed -n '1,/^$/p' "$d/attention.md"
+  timeout "$limit" "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
+}
+
+stage_model() {
+  local d=$RESULTS/model; mkdir -p "$d"
+  for fp32 in true false; do
+    timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" | tee -a "$d/model-512.md"
+  done
+  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax hf-nystromformer \
+    --attention-fp32 false | tee "$d/model-4096.md"
+}
+
+stage_profile() {
+  local d=$RESULTS/profile; mkdir -p "$d"
+  timeout "$limit" "$python" bench/efficiency_profile.py --device cuda --num-head 12 --head-dim 64 --max-length 32768 \
+    --csv "$d/efficiency.csv" --plot "$d/efficiency_gpu.png" | tee "$d/efficiency.md"
+}
+
+stage_listops() {
+  # One process per attention type, all at once on the one GPU (the LRA models are tiny); each generates the
+  # same seeded data itself. LISTOPS_TYPES narrows the set; LISTOPS_ARGS adds flags (e.g. --steps 2000).
+  local d=$RESULTS/listops; mkdir -p "$d"
+  local types=${LISTOPS_TYPES:-softmax,nystrom,linformer,performer,linear,reformer,longformer,bigbird,linformer_revisited}
+  local pids=()
+  for t in ${types//,/ }; do
+    OMP_NUM_THREADS=1 timeout "${LISTOPS_LIMIT:-540}" "$python" -m nystromformer.cli listops-train --generate \
+      --out "$d/$t" --device cuda --attn-types "$t" ${LISTOPS_ARGS:-} > "$d/$t.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  for t in ${types//,/ }; do
+    echo "== $t"; grep -h '"result"' "$d/$t.log" || tail -n 3 "$d/$t.log"
+  done
+}
+
+for stage in "$@"; do
+  echo "=== stage $stage $(date -u +%T)"
+  if declare -F "stage_$stage" > /dev/null; then "stage_$stage" || echo "=== stage $stage FAILED ($?)"; else
+    echo "unknown stage $stage" >&2; fi
+  tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .  # after every stage: a command cut off at its limit keeps these
+done
+echo "=== done $(date -u +%T)"
