@@ -120,3 +120,14 @@ def test_train_command_writes_results_table(tmp_path):
     assert "| linear |" in md and "| bigbird |" in md and "Majority-class" in md
     rows = list(csv.DictReader(open(tmp_path / "listops_results.csv")))
     assert [r["attn_type"] for r in rows] == ["linear", "bigbird"] and all(r["steps"] == "3" for r in rows)
+
+
+def test_time_limit_stops_training_early_and_still_reports_a_test_accuracy():
+    data = [(listops.encode("[MAX 1 2 ]".split(), 16), 2)] * 8
+    splits = {"train": data, "dev": data, "test": data}
+    lines = []
+    s = RunSettings(dim=16, num_head=2, ffn_dim=16, batch_size=4, warmup=1, steps=100, eval_every=50, max_length=16,
+                    time_limit_s=0.0)
+    result = train_one("softmax", splits, s, log=lines.append)
+    assert result["steps"] == 1 and result["best_step"] == 1 and 0.0 <= result["test_accuracy"] <= 1.0
+    assert any('"stopped_early": true' in line and '"planned_steps": 100' in line for line in lines)

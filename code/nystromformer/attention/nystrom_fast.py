@@ -67,7 +67,7 @@ def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch
 def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_triton: bool = False,
          precision: str = "ieee") -> torch.Tensor:
     z0 = pinv_init(a, init)
-    if use_triton:
+    if use_triton and a.shape[-1] <= 64:  # nystrom_triton.MAX_LANDMARKS
         from .nystrom_triton import pinv_iterate as triton_pinv_iterate
         return triton_pinv_iterate(a, z0, num_iterations, precision=precision)
     return pinv_iterate(a, z0, num_iterations)
@@ -84,16 +84,19 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, num_landmarks: int,
             pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
-            use_triton: Optional[bool] = None, pinv_precision: str = "ieee") -> torch.Tensor:
+            use_triton: Optional[bool] = None, pinv_precision: str = "auto") -> torch.Tensor:
     """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding).
 
     ``conv_weight`` is the reference's Conv2d weight (h, 1, k, 1) or None. ``use_triton`` defaults to
-    Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv products
-    ("ieee" = true fp32; "tf32x3" is a faster near-fp32 option to measure).
+    Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv kernel's
+    products: "auto" = "tf32" for 16-bit inputs (its ~1e-3 error is below bf16's; checked by emulation in
+    docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
     """
     b, h, n, d = q.shape
     if use_triton is None:
         use_triton = _triton_default(q)
+    if pinv_precision == "auto":
+        pinv_precision = "tf32" if q.element_size() <= 2 else "tf32x3"
     dtype = q.dtype
     keep = mask.to(dtype)
     keep4 = keep[:, None, :, None]

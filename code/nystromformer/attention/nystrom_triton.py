@@ -1,11 +1,15 @@
 """Triton kernels for the fast Nyström path (``nystrom_fast``), each with its autograd rule.
 
 * ``pinv_iterate(a, z0, iters)``: the paper's pseudo-inverse iteration, one program per (batch, head) matrix doing
-  every step in registers (m ≤ 128, padded to a power of two ≥ 16). The init Z₀ is computed outside in PyTorch
-  (``nystrom.pinv_init``) because ``init="original"`` needs a max over the whole batch (a global reduction before
-  the per-matrix kernel), and so that its gradient is autograd's. Backward: one program per matrix, walking the
-  steps in reverse; the iterate of step i is recomputed from Z₀ in registers (O(iters²) small products, no
-  scratch memory and no intra-block global-memory round trip).
+  every step in registers (m ≤ 64, padded to a power of two ≥ 16; larger m goes to the PyTorch iteration). The
+  init Z₀ is computed outside in PyTorch (``nystrom.pinv_init``) because ``init="original"`` needs a max over the
+  whole batch (a global reduction before the per-matrix kernel), and so that its gradient is autograd's.
+  Backward: one program per matrix replays the forward once, keeping each step's input iterate in a transient
+  scratch slice of its own (iters·m² floats), then walks the steps in reverse. The products' precision is
+  Triton's ``input_precision``: "ieee" (true fp32 FMA), "tf32x3" (three tensor-core passes, near fp32) or
+  "tf32" (one pass, ~1e-3: enough when the attention itself runs in bf16). The first H100 run (one program of
+  4 warps per 64×64 matrix, the backward recomputing every iterate from Z₀) spilled 33 KB of registers per
+  thread and took 19.5 + 14.9 ms for 1,536 matrices: warps, precision and the scratch replay come from that.
 * ``segment_means_masked(x, keep, m)``: means of ``x·keep`` over the reference's m segments (floor(p·m/n) = i),
   fp32 accumulation, fusing the padding multiply. Backward in PyTorch (a gather and a multiply).
 * ``conv_add(v, keep, w, res)``: ``res + Conv2d_{(k,1), groups=h}(v·keep)`` (the reference's depthwise conv along
@@ -29,7 +33,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 else:
     _IMPORT_ERROR = None
 
-MAX_LANDMARKS = 128
+MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
 
 
 def available() -> bool:
@@ -63,21 +67,24 @@ if triton is not None:
         tl.store(Z + off, z, mask=inside)
 
     @triton.jit
-    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, ZS, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         inside = (r[:, None] < m) & (r[None, :] < m)
         off = pid * m * m + r[:, None] * m + r[None, :]
         a = tl.load(A + off, mask=inside, other=0.0)
-        z0 = tl.load(Z0 + off, mask=inside, other=0.0)
-        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
+        z = tl.load(Z0 + off, mask=inside, other=0.0)
         eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
+        # Replay the forward once, keeping the iterate that enters each step in this program's scratch slice.
+        zs = ZS + pid * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
+        for i in range(ITERS):
+            tl.store(zs + i * BLOCK * BLOCK, z)
+            z = _pinv_step(a, z, eye, PREC)
+        tl.debug_barrier()  # the scratch was written by other threads of this program
+        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
         da = tl.zeros_like(a)
-        at = tl.trans(a)
         for s in range(ITERS):
-            z = z0
-            for _ in range(ITERS - 1 - s):  # recompute the iterate that entered step ITERS-1-s
-                z = _pinv_step(a, z, eye, PREC)
+            z = tl.load(zs + (ITERS - 1 - s) * BLOCK * BLOCK)
             # forward of the step: P = AZ, T1 = 7I - P, S1 = P T1, T2 = 15I - S1, S2 = P T2, T3 = 13I - S2,
             # out = Z T3 / 4
             p = tl.dot(a, z, input_precision=PREC)
@@ -93,7 +100,7 @@ if triton is not None:
             dp += tl.dot(ds1, tl.trans(t1), input_precision=PREC)
             dp -= tl.dot(pt, ds1, input_precision=PREC)
             da += tl.dot(dp, zt, input_precision=PREC)
-            g = dz + tl.dot(at, dp, input_precision=PREC)
+            g = dz + tl.dot(tl.trans(a), dp, input_precision=PREC)
         tl.store(DA + off, da, mask=inside)
         tl.store(DZ0 + off, g, mask=inside)
 
@@ -196,19 +203,24 @@ def _check():
 
 
 # ----------------------------------------------------------------------------------------------- pinv
+# Warps per program, by padded block size (fwd, bwd): from ptxas's spill report for sm_90 and the H100 timings in
+# docs/performance.md. ``pinv_iterate(..., warps=(f, b))`` overrides them (bench/pinv_speed.py sweeps them).
+PINV_WARPS = {16: (4, 4), 32: (4, 8), 64: (8, 8)}
+
+
 class _PinvIterate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, z0, iters, precision):
+    def forward(ctx, a, z0, iters, precision, warps):
         a = a.contiguous()
         z0 = z0.contiguous()
         m = a.shape[-1]
         bsz = a.numel() // (m * m)
         out = torch.empty_like(a)
         block = _block(m)
-        _pinv_fwd_kernel[(bsz,)](a, z0, out, m, ITERS=iters, BLOCK=block, PREC=precision,
-                                 num_warps=4 if block <= 64 else 8)
+        warps = warps or PINV_WARPS[block]
+        _pinv_fwd_kernel[(bsz,)](a, z0, out, m, ITERS=iters, BLOCK=block, PREC=precision, num_warps=warps[0])
         ctx.save_for_backward(a, z0)
-        ctx.iters, ctx.precision = iters, precision
+        ctx.iters, ctx.precision, ctx.warps = iters, precision, warps
         return out
 
     @staticmethod
@@ -219,20 +231,27 @@ class _PinvIterate(torch.autograd.Function):
         da = torch.empty_like(a)
         dz0 = torch.empty_like(a)
         block = _block(m)
-        _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, m, ITERS=ctx.iters, BLOCK=block,
-                                 PREC=ctx.precision, num_warps=8 if block <= 64 else 16)
-        return da, dz0, None, None
+        scratch = torch.empty(bsz, ctx.iters, block, block, device=a.device, dtype=a.dtype)
+        _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, scratch, m, ITERS=ctx.iters, BLOCK=block,
+                                 PREC=ctx.precision, num_warps=ctx.warps[1])
+        return da, dz0, None, None, None
 
 
-def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str = "ieee") -> torch.Tensor:
-    """``iters`` steps of Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ))) from ``z0``, for every matrix in a (..., m, m)."""
+def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str = "ieee",
+                 warps: tuple[int, int] | None = None) -> torch.Tensor:
+    """``iters`` steps of Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ))) from ``z0``, for every matrix in a (..., m, m).
+
+    ``precision``: Triton's input_precision for the products ("ieee", "tf32x3" or "tf32"; fp64 is always exact).
+    ``warps``: (forward, backward) warps per program, default ``PINV_WARPS``."""
     _check()
     m = a.shape[-1]
     if a.shape[-2] != m or m > MAX_LANDMARKS:
         raise ValueError(f"pinv kernel: needs square matrices with m <= {MAX_LANDMARKS}, got {tuple(a.shape)}")
     if a.dtype not in (torch.float32, torch.float64):
         raise ValueError("pinv kernel: computes in float32 or float64")
-    return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision)
+    if a.dtype == torch.float64:
+        precision = "ieee"  # tf32 modes apply to fp32 operands only
+    return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision, warps)
 
 
 # ----------------------------------------------------------------------------------------------- segment means

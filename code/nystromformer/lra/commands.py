@@ -66,6 +66,10 @@ def add_train_arguments(p):
         flag = "--" + name.replace("_", "-")
         if name == "eval_batches":
             p.add_argument(flag, type=int, default=None, help="dev batches per evaluation (default: all)")
+        elif name == "time_limit_s":
+            p.add_argument(flag, type=float, default=None,
+                           help="stop each run's training after this many seconds (then dev + test on the best "
+                                "checkpoint; the table's steps column shows how far it got)")
         else:
             p.add_argument(flag, type=type(val), default=val)
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",

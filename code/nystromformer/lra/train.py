@@ -54,6 +54,7 @@ class RunSettings:
     max_length: int = 2000
     seed: int = 0
     device: str = "cpu"
+    time_limit_s: Optional[float] = None  # stop training after this many seconds; the table reports steps run
 
 
 class ListOpsClassifier(nn.Module):
@@ -134,8 +135,9 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
     opt = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
     best_dev, best_state, best_step = -1.0, None, 0
     step, start = 0, time.time()
+    stopped_early = False
     model.train()
-    while step < s.steps:
+    while step < s.steps and not stopped_early:
         for ids, mask, y in batches(splits["train"], s.batch_size, shuffle=True, rng=rng):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, s)
@@ -144,7 +146,8 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
             loss.backward()
             opt.step()
             step += 1
-            if step % s.eval_every == 0 or step == s.steps:
+            stopped_early = s.time_limit_s is not None and time.time() - start > s.time_limit_s
+            if step % s.eval_every == 0 or step == s.steps or stopped_early:
                 dev = accuracy(model, splits["dev"], s.batch_size, device, s.eval_batches)
                 if log:
                     log(json.dumps({"attn_type": attn_type, "step": step, "loss": round(loss.item(), 4),
@@ -152,10 +155,13 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
                 if dev > best_dev:
                     best_dev, best_step = dev, step
                     best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
-            if step >= s.steps:
+            if step >= s.steps or stopped_early:
                 break
     model.load_state_dict(best_state)
     test = accuracy(model, splits["test"], s.batch_size, device)
+    if stopped_early and log:
+        log(json.dumps({"attn_type": attn_type, "stopped_early": True, "step": step, "planned_steps": s.steps,
+                        "time_limit_s": s.time_limit_s}))
     return {"attn_type": attn_type, "best_dev_accuracy": best_dev, "best_step": best_step, "test_accuracy": test,
             "steps": step, "train_seconds": round(time.time() - start, 1),
             "params": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,84 @@
+"""The pseudo-inverse iteration alone: Triton kernel variants (precision × warps) vs the batched PyTorch iteration.
+
+For each number of matrices (batch × heads: 1,536 = n 512 at 65,536 tokens and 12 heads; 192 = n 4096; 12 = one
+n 65,536 sequence) it times the forward and forward+backward of 6 iterations on m × m softmax matrices and reports
+the relative error of the output and of the gradient against float64. One table, one run.
+
+    python bench/pinv_speed.py                    # CUDA
+    python bench/pinv_speed.py --matrices 1536 --m 64 --precisions tf32 --warps 8,8
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+from nystromformer.attention import nystrom_fast, nystrom_triton  # noqa: E402
+from nystromformer.attention.nystrom import iterative_pinv, pinv_init  # noqa: E402
+
+
+def bench(fn, repeat=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--matrices", type=int, nargs="+", default=[1536, 192, 12])
+    ap.add_argument("--m", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3", "tf32"])
+    ap.add_argument("--warps", nargs="+", default=["4,4", "4,8", "8,8", "8,16", "8,4"],
+                    help="forward,backward warps per program")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    rel = lambda x, y: ((x.double() - y).norm() / y.norm()).item()  # noqa: E731
+    print(f"# pinv iteration ({args.iters} steps, m={args.m}), {torch.cuda.get_device_name(dev)}, "
+          f"torch {torch.__version__}")
+    print("| matrices | impl | fwd ms | fwd+bwd ms | out err | grad err |")
+    print("|---|---|---|---|---|---|")
+    for bsz in args.matrices:
+        g = torch.Generator(device="cpu").manual_seed(bsz)
+        a64 = torch.softmax(torch.randn(bsz, args.m, args.m, generator=g, dtype=torch.float64) * 2, -1).to(dev)
+        a64.requires_grad_()
+        gout = torch.randn(bsz, args.m, args.m, generator=g, dtype=torch.float64).to(dev)
+        ref = iterative_pinv(a64, args.iters)
+        ref_grad = torch.autograd.grad(ref, a64, gout)[0]
+        a = a64.detach().float().requires_grad_()
+        variants = []
+        for tf32 in (False, True):
+            def torch_fn(x, tf32=tf32):
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                return nystrom_fast.pinv_iterate(x, pinv_init(x), args.iters)
+            variants.append((f"torch bmm{' tf32' if tf32 else ''}", torch_fn))
+        for prec in args.precisions:
+            for w in args.warps:
+                warps = tuple(int(x) for x in w.split(","))
+                variants.append((f"triton {prec} warps {w}",
+                                 lambda x, prec=prec, warps=warps: nystrom_triton.pinv_iterate(
+                                     x, pinv_init(x), args.iters, precision=prec, warps=warps)))
+        for name, fn in variants:
+            try:
+                out = fn(a)
+                grad = torch.autograd.grad(out, a, gout.float())[0]
+                fwd = bench(lambda: fn(a.detach()))
+                both = bench(lambda: torch.autograd.grad(fn(a), a, gout.float()))
+                print(f"| {bsz} | {name} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {rel(grad, ref_grad):.1e} |")
+            except Exception as exc:  # a variant that does not compile (e.g. out of shared memory) is reported
+                print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+            torch.backends.cuda.matmul.allow_tf32 = False
+
+
+if __name__ == "__main__":
+    main()
