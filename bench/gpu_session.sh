@@ -4,6 +4,7 @@
 # the project is used from code/ without installing).
 #
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
+#   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
@@ -23,7 +24,7 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 limit=${STAGE_LIMIT:-300}
-[ $# -gt 0 ] || { echo "stages: check attention model profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv attention model profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -32,6 +33,11 @@ stage_check() {
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
   timeout "$limit" "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
     tests/test_model.py 2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
+}
+
+stage_pinv() {
+  local d=$RESULTS/pinv; mkdir -p "$d"
+  timeout "$limit" "$python" bench/pinv_speed.py | tee "$d/pinv.md"
 }
 
 stage_attention() {
@@ -45,10 +51,12 @@ stage_attention() {
 stage_model() {
   local d=$RESULTS/model; mkdir -p "$d"
   for fp32 in true false; do
-    timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" | tee -a "$d/model-512.md"
+    timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
+      $([ "$fp32" = false ] && echo --kernels nystrom softmax) >> "$d/model-512.md"
   done
   timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax hf-nystromformer \
-    --attention-fp32 false | tee "$d/model-4096.md"
+    --attention-fp32 false --kernels nystrom > "$d/model-4096.md"
+  grep -h -A7 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 
 stage_profile() {

@@ -67,6 +67,17 @@ def step_fn(model, is_hf, opt, device, amp):
     return step
 
 
+def kernel_breakdown(step, batch_data, device, rows=25):
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step(*batch_data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -78,12 +89,14 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile our models")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kernels", nargs="*", default=[], metavar="MODEL",
+                    help="also print a per-kernel device-time breakdown (torch.profiler) of one step of these models")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     amp = device.type == "cuda"
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
                       attention_fp32=args.attention_fp32 == "true")
-    rows = {}
+    rows, breakdowns = {}, {}
     for name in args.models:
         os.environ.pop("NYSTROM_IMPL", None)
         if name == "nystrom-reference":
@@ -114,6 +127,8 @@ def main(argv=None):
                 times.append(time.perf_counter() - t)
             peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
             rows[name] = (args.batch * args.seq_len / statistics.median(times), peak)
+            if name in args.kernels:
+                breakdowns[name] = kernel_breakdown(step, data[0], device)
         except torch.OutOfMemoryError:
             rows[name] = (None, None)
         del model, opt
@@ -131,6 +146,8 @@ def main(argv=None):
     for name, (tps, peak) in rows.items():
         print(f"| {name} | {fmt(tps, '.0f')} | {fmt(tps / soft if tps and soft else None, '.2f')} | "
               f"{fmt(tps / hf if tps and hf else None, '.2f')} | {fmt(peak, '.0f')} |")
+    for name, table in breakdowns.items():
+        print(f"\n# kernels of one {name} training step (self device time)\n{table}")
 
 
 if __name__ == "__main__":

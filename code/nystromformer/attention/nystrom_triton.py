@@ -11,11 +11,12 @@
   4 warps per 64×64 matrix, the backward recomputing every iterate from Z₀) spilled 33 KB of registers per
   thread and took 19.5 + 14.9 ms for 1,536 matrices: warps, precision and the scratch replay come from that.
 * ``segment_means_masked(x, keep, m)``: means of ``x·keep`` over the reference's m segments (floor(p·m/n) = i),
-  fp32 accumulation, fusing the padding multiply. Backward in PyTorch (a gather and a multiply).
+  fp32 accumulation, fusing the padding multiply. Backward: one kernel writing keep·g[segment]/length.
 * ``conv_add(v, keep, w, res)``: ``res + Conv2d_{(k,1), groups=h}(v·keep)`` (the reference's depthwise conv along
-  the sequence, shared over the head dim) in one pass, fusing the mask and the residual add; backward: the
-  input gradient is the same kernel with flipped taps (and the mask on the output), the weight gradient a
-  per-block partial reduction summed in PyTorch.
+  the sequence, shared over the head dim) in one pass, fusing the mask and the residual add; each tile of 64
+  rows is a banded-Toeplitz matrix product on the tensor cores (the first version's 33 shifted loads per row
+  ran at ~3× the bandwidth floor on the H100); backward: the input gradient is the same kernel with flipped
+  taps (and the mask on the output), the weight gradient a per-block partial reduction summed in PyTorch.
 
 Every kernel takes arbitrary strides for its big (b, h, n, d) inputs: the model's q, k, v are transposed views.
 Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``tests/test_nystrom_fast.py``).
@@ -130,42 +131,59 @@ if triton is not None:
         tl.store(OUT + (bh.to(tl.int64) * M + i) * D + cols, mean, mask=cols < D)
 
     @triton.jit
+    def _segmeans_bwd_kernel(G, KEEP, GX, H, N, M, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        # GX[b,h,p,:] = keep[b,p] * G[b,h,i,:] / len(segment i), i = floor(p·M/N): one write of the input-sized
+        # gradient (index_select, divide and mask in PyTorch were three passes).
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        rmask = rows < N
+        seg = (rows.to(tl.int64) * M) // N
+        count = ((seg + 1) * N + M - 1) // M - (seg * N + M - 1) // M
+        kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
+        m2 = rmask[:, None] & (cols[None, :] < D)
+        g = tl.load(G + (bh.to(tl.int64) * M + seg[:, None]) * D + cols[None, :], mask=m2, other=0.0)
+        scale = kp.to(g.dtype) / count.to(g.dtype)
+        tl.store(GX + (bh.to(tl.int64) * N + rows[:, None]) * D + cols[None, :], g * scale[:, None], mask=m2)
+
+    @triton.jit
     def _dwconv_kernel(X, sxb, sxh, sxn, sxd, KEEP, W, RES, srb, srh, srn, srd, OUT, H, N, D, KS: tl.constexpr,
                        IN_MASK: tl.constexpr, OUT_MASK: tl.constexpr, HAS_RES: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+                       BLOCK_N: tl.constexpr, WIN: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+                       PREC: tl.constexpr):
         # OUT[b,h,i,:] = RES[b,h,i,:] + out_keep[i] * sum_t W[h,t] * in_keep[i+t-KS//2] * X[b,h,i+t-KS//2,:]
+        # A tile of BLOCK_N output rows is one matrix product: the banded Toeplitz matrix of the taps
+        # (BLOCK_N × WIN, WIN ≥ BLOCK_N + KS - 1) times the window of input rows it reads (WIN × d). Each input
+        # row is loaded ~WIN/BLOCK_N times instead of KS times, and the sum runs on the tensor cores.
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pad = KS // 2
+        tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
+        band = tl.load(W + h * KS + tap, mask=(tap >= 0) & (tap < KS), other=0.0).to(X.dtype.element_ty)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols[None, :] < D
         base = X + b * sxb + h * sxh
-        if IS_F64:
-            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float64)
-        else:
-            acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        pad = KS // 2
-        for t in range(KS):
-            src = rows + t - pad
+        for tile in range(TILES):
+            row0 = (tl.program_id(1) * TILES + tile) * BLOCK_N
+            src = row0 - pad + tl.arange(0, WIN)
             valid = (src >= 0) & (src < N)
             x = tl.load(base + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
-                        mask=valid[:, None] & cmask, other=0.0).to(acc.dtype)
+                        mask=valid[:, None] & cmask, other=0.0)
             if IN_MASK:
-                kp = tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(acc.dtype)
-                x = x * kp[:, None]
-            w = tl.load(W + h * KS + t).to(acc.dtype)
-            acc += w * x
-        rmask = rows < N
-        if OUT_MASK:
-            kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0).to(acc.dtype)
-            acc = acc * kp[:, None]
-        if HAS_RES:
-            res = tl.load(RES + b * srb + h * srh + rows[:, None].to(tl.int64) * srn + cols[None, :] * srd,
-                          mask=rmask[:, None] & cmask, other=0.0)
-            acc += res.to(acc.dtype)
-        out = OUT + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :]
-        tl.store(out, acc, mask=rmask[:, None] & cmask)
+                x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+            acc = tl.dot(band, x, input_precision=PREC)
+            rows = row0 + tl.arange(0, BLOCK_N)
+            rmask = rows < N
+            if OUT_MASK:
+                acc = acc * tl.load(KEEP + b * N + rows, mask=rmask, other=0.0).to(acc.dtype)[:, None]
+            if HAS_RES:
+                res = tl.load(RES + b * srb + h * srh + rows[:, None].to(tl.int64) * srn + cols[None, :] * srd,
+                              mask=rmask[:, None] & cmask, other=0.0)
+                acc += res.to(acc.dtype)
+            out = OUT + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :]
+            tl.store(out, acc, mask=rmask[:, None] & cmask)
 
     @triton.jit
     def _dwconv_wgrad_kernel(X, sxb, sxh, sxn, sxd, KEEP, G, PART, H, N, D, KS: tl.constexpr,
@@ -255,12 +273,6 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
 
 
 # ----------------------------------------------------------------------------------------------- segment means
-def _seg_ids(n: int, m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    seg = torch.arange(n, device=device) * m // n
-    counts = torch.bincount(seg, minlength=m)
-    return seg, counts
-
-
 class _SegmentMeans(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep, m):
@@ -280,8 +292,13 @@ class _SegmentMeans(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        seg, counts = _seg_ids(ctx.n, ctx.m, g.device)
-        gx = (g / counts.to(g.dtype)[:, None]).index_select(-2, seg) * keep.to(g.dtype)[:, None, :, None]
+        b, h, m, d = g.shape
+        n = ctx.n
+        g = g.contiguous()
+        gx = torch.empty(b, h, n, d, device=g.device, dtype=g.dtype)
+        block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
+        _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](g, keep, gx, h, n, m, d, BLOCK_N=block_n,
+                                                                BLOCK_D=triton.next_power_of_2(d))
         return gx, None, None
 
 
@@ -296,13 +313,16 @@ def _conv_launch(x, keep, w, res, in_mask, out_mask):
     b, h, n, d = x.shape
     ks = w.shape[-1]
     out = torch.empty(b, h, n, d, device=x.device, dtype=x.dtype if res is None else res.dtype)
-    block_d = triton.next_power_of_2(d)
     block_n = 64
+    tiles = min(8, triton.cdiv(n, block_n))  # row tiles per program: the band is built once for them
+    # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
+    prec = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(x.dtype, "tf32")
     rs = res.stride() if res is not None else (0, 0, 0, 0)
-    _dwconv_kernel[(b * h, triton.cdiv(n, block_n))](
+    _dwconv_kernel[(b * h, triton.cdiv(n, block_n * tiles))](
         x, *x.stride(), keep, w, res if res is not None else x, *rs, out, h, n, d, KS=ks,
-        IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n, BLOCK_D=block_d,
-        IS_F64=x.dtype == torch.float64)
+        IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
+        WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=max(16, triton.next_power_of_2(d)), TILES=tiles,
+        PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
     return out
 
 
