@@ -67,12 +67,24 @@ stage_profile() {
 
 stage_listops() {
   # One process per attention type, all at once on the one GPU (the LRA models are tiny); each generates the
-  # same seeded data itself. LISTOPS_TYPES narrows the set; LISTOPS_ARGS adds flags (e.g. --steps 2000).
+  # same seeded data itself, unless LISTOPS_DATA names a folder of basic_{train,val,test}.tsv[.xz] files (made by
+  # `listops-generate` here and carried: generating 96k trees in 9 processes took ~3 minutes of device time).
+  # LISTOPS_TYPES narrows the set; LISTOPS_ARGS adds flags (e.g. --time-limit-s 300).
   local d=$RESULTS/listops; mkdir -p "$d"
+  local source=--generate
+  if [ -n "${LISTOPS_DATA:-}" ]; then
+    mkdir -p /tmp/listops-data
+    "$python" -c 'import lzma, shutil, sys, pathlib
+for f in pathlib.Path(sys.argv[1]).iterdir():
+    if f.suffix == ".xz":
+        with lzma.open(f) as src, open(pathlib.Path(sys.argv[2]) / f.stem, "wb") as dst: shutil.copyfileobj(src, dst)
+    else: shutil.copy(f, sys.argv[2])' "$LISTOPS_DATA" /tmp/listops-data
+    source="--data /tmp/listops-data"
+  fi
   local types=${LISTOPS_TYPES:-softmax,nystrom,linformer,performer,linear,reformer,longformer,bigbird,linformer_revisited}
   local pids=()
   for t in ${types//,/ }; do
-    OMP_NUM_THREADS=1 timeout "${LISTOPS_LIMIT:-540}" "$python" -m nystromformer.cli listops-train --generate \
+    OMP_NUM_THREADS=1 timeout "${LISTOPS_LIMIT:-540}" "$python" -m nystromformer.cli listops-train $source \
       --out "$d/$t" --device cuda --attn-types "$t" ${LISTOPS_ARGS:-} > "$d/$t.log" 2>&1 &
     pids+=($!)
   done

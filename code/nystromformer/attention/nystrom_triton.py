@@ -221,9 +221,11 @@ def _check():
 
 
 # ----------------------------------------------------------------------------------------------- pinv
-# Warps per program, by padded block size (fwd, bwd): from ptxas's spill report for sm_90 and the H100 timings in
-# docs/performance.md. ``pinv_iterate(..., warps=(f, b))`` overrides them (bench/pinv_speed.py sweeps them).
-PINV_WARPS = {16: (4, 4), 32: (4, 8), 64: (8, 8)}
+# Warps per program (fwd, bwd) for the 64×64 block, by precision: the fastest in bench/pinv_speed.py on the H100
+# (docs/performance.md; 1,536 matrices, fwd+bwd ms: tf32 1.36 at (4, 4) vs 1.73 at (8, 8); tf32x3 4.40 vs 5.71;
+# ieee 13.5 at (8, 8) vs 92 at (4, 4), where 4 warps spill). Smaller blocks use 4. ``pinv_iterate(...,
+# warps=(f, b))`` overrides them.
+PINV_WARPS_64 = {"tf32": (4, 4), "tf32x3": (4, 4), "ieee": (8, 8)}
 
 
 class _PinvIterate(torch.autograd.Function):
@@ -235,7 +237,7 @@ class _PinvIterate(torch.autograd.Function):
         bsz = a.numel() // (m * m)
         out = torch.empty_like(a)
         block = _block(m)
-        warps = warps or PINV_WARPS[block]
+        warps = warps or (PINV_WARPS_64[precision] if block == 64 else (4, 4))
         _pinv_fwd_kernel[(bsz,)](a, z0, out, m, ITERS=iters, BLOCK=block, PREC=precision, num_warps=warps[0])
         ctx.save_for_backward(a, z0)
         ctx.iters, ctx.precision, ctx.warps = iters, precision, warps
