@@ -294,3 +294,16 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - base)
     assert peaks[1] < 5 * peaks[0], peaks   # 4× the tokens: linear would be 4×; quadratic 16×
+
+
+@needs_interpreter
+def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layout():
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=5)
+    kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    out = nystrom_fast.forward(q, k, v, mask, **kw)
+    assert type(out.grad_fn).__name__ == "_TritonNystromBackward"
+    for t, grad in zip((q, k, v), torch.autograd.grad(out, (q, k, v), torch.randn_like(out))):
+        assert grad.stride() == t.stride()          # transposed views in, transposed-layout gradients out
+    with torch.no_grad():                           # inference takes the per-kernel path: same function
+        assert rel(nystrom_fast.forward(q, k, v, mask, **kw), att.reference_forward(q, k, v, mask)) < FP64_TOL

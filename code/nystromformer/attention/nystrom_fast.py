@@ -105,11 +105,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # (min + log n rounds to min, which would make every probability 1 in the backward).
     has_token = keep.amax(dim=-1, keepdim=True)
     bias = ((1.0 - keep) * has_token * torch.finfo(dtype).min)[:, None, None, :]
-    q = q * keep4
+    landmark_args = (bias, pinv_iterations, init, use_triton, pinv_precision)
 
     if num_landmarks >= n:
-        out = F.scaled_dot_product_attention(q, k * keep4, v, attn_mask=bias)
+        out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias)
+    elif use_triton and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
+        return _TritonNystrom.apply(q, k, v, conv_weight, keep, num_landmarks, landmark_args)
     else:
+        q = q * keep4
         if use_triton:
             from .nystrom_triton import segment_means_masked
             q_land = segment_means_masked(q, keep, num_landmarks)
@@ -117,16 +121,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         else:
             q_land = segment_means(q, num_landmarks)
             k_land = segment_means(k * keep4, num_landmarks)
-        # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
-        w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias)
-        work = torch.promote_types(dtype, torch.float32)
-        # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
-        with torch.autocast(q.device.type, enabled=False):
-            scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (d ** -0.5)
-            a = torch.softmax(scores, dim=-1)
-            z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
-            zw = (z @ w.to(work)).to(dtype)
-        out = F.scaled_dot_product_attention(q, k_land, zw)
+        out = _landmark_attention(q, k, v, q_land, k_land, *landmark_args)
 
     if conv_weight is not None:
         if use_triton:
@@ -134,3 +129,70 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
             return conv_add(v, keep, conv_weight, out)
         out = out + depthwise_conv(v * keep4, conv_weight)
     return out
+
+
+def _landmark_attention(q, k, v, q_land, k_land, bias, pinv_iterations, init, use_triton, pinv_precision):
+    """SDPA(Q, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)) for masked Q; the m × m pieces in ≥ fp32."""
+    dtype = q.dtype
+    # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
+    w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias)
+    work = torch.promote_types(dtype, torch.float32)
+    # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
+    with torch.autocast(q.device.type, enabled=False):
+        scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (q.shape[-1] ** -0.5)
+        a = torch.softmax(scores, dim=-1)
+        z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
+        zw = (z @ w.to(work)).to(dtype)
+    return F.scaled_dot_product_attention(q, k_land, zw)
+
+
+class _TritonNystrom(torch.autograd.Function):
+    """The Nyström layer (landmarks < n) with the Triton kernels, as one autograd node.
+
+    Q, K and V are each used twice (Q: masked queries of pass 2 and the landmark means; K: pass 1 and the
+    landmark means; V: pass 1 and the conv), so plain autograd writes two input-sized gradients per input and
+    adds them, plus mask multiplies — ~1.5–2 ms of "glue" per layer at 65,536 tokens on the H100
+    (docs/performance.md). Here the middle (two SDPA passes, the m × m pieces) is an inner autograd graph over
+    detached leaves, one per use, and the backward writes each input gradient once: dq = keep·(dQ_pass2 +
+    segment-means gradient), dk = dK_pass1 + keep·segment-means gradient, dv = dV_pass1 + keep·conv_T(g) — each
+    one kernel that reads the other use's gradient as an addend.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, conv_weight, keep, m, landmark_args):
+        from . import nystrom_triton as nt
+        keep = keep.contiguous()
+        q_masked = q * keep[:, None, :, None]
+        q_land = nt.segment_means_raw(q, keep, m)
+        k_land = nt.segment_means_raw(k, keep, m)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (q_masked, k, v, q_land, k_land)]
+            inner = _landmark_attention(*leaves, *landmark_args)
+        ctx.inner, ctx.leaves = inner, leaves
+        ctx.n = q.shape[-2]
+        # Each gradient is written in its input's layout (the model's q, k, v are transposed views), so the
+        # backward of the view costs no copy; meta tensors carry the strides without memory.
+        ctx.like = [torch.empty_like(t, device="meta") for t in (q, k, v)]
+        out = inner.detach()
+        if conv_weight is not None:
+            out = nt.conv_raw(v, keep, nt.conv_taps(conv_weight), out, in_mask=True, out_mask=False)
+        ctx.save_for_backward(v, keep, conv_weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        from . import nystrom_triton as nt
+        v, keep, conv_weight = ctx.saved_tensors
+        g = g.contiguous()
+        dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = torch.autograd.grad(ctx.inner, ctx.leaves, g)
+        ctx.inner = ctx.leaves = None
+        like_q, like_k, like_v = ctx.like
+        dq = nt.segment_means_grad(dq_land.to(g.dtype), keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q)
+        dk = nt.segment_means_grad(dk_land.to(g.dtype), keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k)
+        dv, dw = dv_pass1, None
+        if conv_weight is not None:
+            taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
+            dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v)
+            if ctx.needs_input_grad[3]:
+                dw = nt.conv_weight_grad(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
+        return dq, dk, dv, dw, None, None, None

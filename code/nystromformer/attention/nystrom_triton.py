@@ -131,24 +131,40 @@ if triton is not None:
         tl.store(OUT + (bh.to(tl.int64) * M + i) * D + cols, mean, mask=cols < D)
 
     @triton.jit
-    def _segmeans_bwd_kernel(G, KEEP, GX, H, N, M, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        # GX[b,h,p,:] = keep[b,p] * G[b,h,i,:] / len(segment i), i = floor(p·M/N): one write of the input-sized
-        # gradient (index_select, divide and mask in PyTorch were three passes).
+    def _segmeans_bwd_kernel(G, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N, M, D,
+                             HAS_ADD: tl.constexpr, MASK_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+        # GX[b,h,p,:] = keep[b,p] * G[b,h,i,:] / len(segment i)  (+ ADD[b,h,p,:], times keep[b,p] if MASK_ADD),
+        # i = floor(p·M/N): the input-sized gradient written once, with the gradient of the input's other use
+        # (ADD) folded in instead of autograd's separate accumulation pass.
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_D)
         rmask = rows < N
         seg = (rows.to(tl.int64) * M) // N
         count = ((seg + 1) * N + M - 1) // M - (seg * N + M - 1) // M
-        kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
         m2 = rmask[:, None] & (cols[None, :] < D)
+        kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
         g = tl.load(G + (bh.to(tl.int64) * M + seg[:, None]) * D + cols[None, :], mask=m2, other=0.0)
-        scale = kp.to(g.dtype) / count.to(g.dtype)
-        tl.store(GX + (bh.to(tl.int64) * N + rows[:, None]) * D + cols[None, :], g * scale[:, None], mask=m2)
+        if IS_F64:
+            kp = kp.to(tl.float64)
+            out = g.to(tl.float64) * (kp / count.to(tl.float64))[:, None]
+        else:
+            kp = kp.to(tl.float32)
+            out = g.to(tl.float32) * (kp / count.to(tl.float32))[:, None]
+        if HAS_ADD:
+            add = tl.load(ADD + b * sab + h * sah + rows[:, None].to(tl.int64) * san + cols[None, :] * sad,
+                          mask=m2, other=0.0).to(out.dtype)
+            if MASK_ADD:
+                add = add * kp[:, None]
+            out += add
+        tl.store(GX + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd, out, mask=m2)
 
     @triton.jit
-    def _dwconv_kernel(X, sxb, sxh, sxn, sxd, KEEP, W, RES, srb, srh, srn, srd, OUT, H, N, D, KS: tl.constexpr,
+    def _dwconv_kernel(X, sxb, sxh, sxn, sxd, KEEP, W, RES, srb, srh, srn, srd, OUT, sob, soh, son, sod, H, N, D,
+                       KS: tl.constexpr,
                        IN_MASK: tl.constexpr, OUT_MASK: tl.constexpr, HAS_RES: tl.constexpr,
                        BLOCK_N: tl.constexpr, WIN: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
                        PREC: tl.constexpr):
@@ -182,7 +198,7 @@ if triton is not None:
                 res = tl.load(RES + b * srb + h * srh + rows[:, None].to(tl.int64) * srn + cols[None, :] * srd,
                               mask=rmask[:, None] & cmask, other=0.0)
                 acc += res.to(acc.dtype)
-            out = OUT + bh.to(tl.int64) * N * D + rows[:, None].to(tl.int64) * D + cols[None, :]
+            out = OUT + b * sob + h * soh + rows[:, None].to(tl.int64) * son + cols[None, :] * sod
             tl.store(out, acc, mask=rmask[:, None] & cmask)
 
     @triton.jit
@@ -275,33 +291,54 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
 
 
 # ----------------------------------------------------------------------------------------------- segment means
+def _empty(shape, like, dtype, device) -> torch.Tensor:
+    """An output of ``shape``, laid out as ``like`` (any device: only its strides are read) or contiguous."""
+    if like is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty_strided(shape, like.stride(), dtype=dtype, device=device)
+
+
+def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
+    """The forward kernel alone (no autograd): means of x·keep over the m segments, (b, h, m, d)."""
+    b, h, n, d = x.shape
+    out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
+    seg_len = -(-n // m)
+    block_n = max(1, min(64, triton.next_power_of_2(seg_len)))
+    _segmeans_kernel[(b * h, m)](x, *x.stride(), keep.contiguous(), out, h, n, m, d,
+                                 NCHUNK=triton.cdiv(seg_len, block_n), BLOCK_N=block_n,
+                                 BLOCK_D=triton.next_power_of_2(d), IS_F64=x.dtype == torch.float64)
+    return out
+
+
+def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.Tensor | None = None,
+                       mask_add: bool = False, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The input gradient of ``segment_means_raw`` for the landmark gradient g (b, h, m, d), plus ``add``
+    (× keep if ``mask_add``) when given, in one pass; written with the strides of ``like`` (a tensor, e.g. on
+    the meta device, of the input's layout; default contiguous)."""
+    b, h, m, d = g.shape
+    g = g.contiguous()
+    gx = _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
+    block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
+    astr = add.stride() if add is not None else (0, 0, 0, 0)
+    _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](
+        g, keep.contiguous(), add if add is not None else g, *astr, gx, *gx.stride(), h, n, m, d,
+        HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
+        IS_F64=g.dtype == torch.float64)
+    return gx
+
+
 class _SegmentMeans(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep, m):
-        b, h, n, d = x.shape
-        out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
         keep_c = keep.contiguous()
-        block_d = triton.next_power_of_2(d)
-        seg_len = -(-n // m)
-        block_n = max(1, min(64, triton.next_power_of_2(seg_len)))
-        _segmeans_kernel[(b * h, m)](x, *x.stride(), keep_c, out, h, n, m, d, NCHUNK=triton.cdiv(seg_len, block_n),
-                                     BLOCK_N=block_n, BLOCK_D=block_d,
-                                     IS_F64=x.dtype == torch.float64)
         ctx.save_for_backward(keep_c)
-        ctx.n, ctx.m = n, m
-        return out
+        ctx.n = x.shape[-2]
+        return segment_means_raw(x, keep_c, m)
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        b, h, m, d = g.shape
-        n = ctx.n
-        g = g.contiguous()
-        gx = torch.empty(b, h, n, d, device=g.device, dtype=g.dtype)
-        block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
-        _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](g, keep, gx, h, n, m, d, BLOCK_N=block_n,
-                                                                BLOCK_D=triton.next_power_of_2(d))
-        return gx, None, None
+        return segment_means_grad(g, keep, ctx.n), None, None
 
 
 def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
@@ -311,30 +348,51 @@ def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------- depthwise conv
-def _conv_launch(x, keep, w, res, in_mask, out_mask):
+def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None):
+    """No autograd: ``res + out_keep·conv(in_keep·x)`` with taps w (h, k), written with ``like``'s strides
+    (default: contiguous)."""
     b, h, n, d = x.shape
     ks = w.shape[-1]
-    out = torch.empty(b, h, n, d, device=x.device, dtype=x.dtype if res is None else res.dtype)
+    dtype = x.dtype if res is None else res.dtype
+    out = _empty((b, h, n, d), like, dtype, x.device)
     block_n = 64
     tiles = min(8, triton.cdiv(n, block_n))  # row tiles per program: the band is built once for them
     # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
     prec = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(x.dtype, "tf32")
     rs = res.stride() if res is not None else (0, 0, 0, 0)
     _dwconv_kernel[(b * h, triton.cdiv(n, block_n * tiles))](
-        x, *x.stride(), keep, w, res if res is not None else x, *rs, out, h, n, d, KS=ks,
+        x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks,
         IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
         WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=max(16, triton.next_power_of_2(d)), TILES=tiles,
         PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
     return out
 
 
+def conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weight_shape) -> torch.Tensor:
+    """Gradient of the Conv2d weight (h, 1, k, 1) of ``conv(v·keep)`` for the output gradient g (b, h, n, d)."""
+    b, h, n, d = v.shape
+    ks = weight_shape[2]
+    g = g.contiguous()
+    block_n = 64
+    nblk = triton.cdiv(n, block_n)
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    part = torch.empty(b * h, nblk, ks, device=v.device, dtype=acc)
+    _dwconv_wgrad_kernel[(b * h, nblk)](v, *v.stride(), keep, g, part, h, n, d, KS=ks, BLOCK_N=block_n,
+                                        BLOCK_D=triton.next_power_of_2(d), IS_F64=acc == torch.float64)
+    return part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).reshape(weight_shape)
+
+
+def conv_taps(weight: torch.Tensor) -> torch.Tensor:
+    """The Conv2d weight (h, 1, k, 1) as contiguous taps (h, k)."""
+    return weight.reshape(weight.shape[0], weight.shape[2]).contiguous()
+
+
 class _ConvAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, keep, weight, res):
-        h, ks = weight.shape[0], weight.shape[2]
-        w = weight.reshape(h, ks).contiguous()
+        w = conv_taps(weight)
         keep_c = keep.contiguous()
-        out = _conv_launch(v, keep_c, w, res, in_mask=True, out_mask=False)
+        out = conv_raw(v, keep_c, w, res, in_mask=True, out_mask=False)
         ctx.save_for_backward(v, keep_c, w)
         ctx.wshape = weight.shape
         ctx.has_res = res is not None
@@ -344,19 +402,11 @@ class _ConvAdd(torch.autograd.Function):
     def backward(ctx, g):
         v, keep, w = ctx.saved_tensors
         g = g.contiguous()
-        b, h, n, d = v.shape
-        ks = w.shape[-1]
         dv = dw = None
         if ctx.needs_input_grad[0]:
-            dv = _conv_launch(g, keep, w.flip(-1).contiguous(), None, in_mask=False, out_mask=True).to(v.dtype)
+            dv = conv_raw(g, keep, w.flip(-1).contiguous(), None, in_mask=False, out_mask=True).to(v.dtype)
         if ctx.needs_input_grad[2]:
-            block_n = 64
-            nblk = triton.cdiv(n, block_n)
-            acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-            part = torch.empty(b * h, nblk, ks, device=v.device, dtype=acc)
-            _dwconv_wgrad_kernel[(b * h, nblk)](v, *v.stride(), keep, g, part, h, n, d, KS=ks, BLOCK_N=block_n,
-                                                BLOCK_D=triton.next_power_of_2(d), IS_F64=acc == torch.float64)
-            dw = part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).to(w.dtype).reshape(ctx.wshape)
+            dw = conv_weight_grad(v, keep, g, ctx.wshape).to(w.dtype)
         return dv, None, dw, (g if ctx.has_res else None)
 
 
