@@ -252,3 +252,12 @@ def test_reformer_multi_chunk_attends_within_buckets():
     # cluster A outputs mostly value-direction 1, cluster B mostly direction 2
     assert (out[..., :8, 1] > out[..., :8, 2]).float().mean() > 0.9
     assert (out[..., 8:, 2] > out[..., 8:, 1]).float().mean() > 0.9
+
+
+def test_reformer_buckets_are_the_argmax_over_both_signs_including_ties():
+    from nystromformer.attention.reformer import lsh_buckets
+    g = torch.Generator().manual_seed(0)
+    for rounded in (False, True):  # rounding makes ties, within and across the two halves
+        r = torch.randn(4, 3, 50, 8, generator=g)
+        r = r.round() if rounded else r
+        assert torch.equal(lsh_buckets(r), torch.cat([r, -r], dim=-1).argmax(dim=-1))

@@ -30,6 +30,15 @@ from . import register
 SELF_SCORE = -1e5
 
 
+def lsh_buckets(rotated: torch.Tensor) -> torch.Tensor:
+    """argmax([xR; −xR]) over the last dim, without building the concatenation (which would double the
+    O(N · nb) rotated tensor): the larger of max(xR) and −min(xR) wins, ties going to the first half as
+    argmax's first occurrence does."""
+    top, top_idx = rotated.max(dim=-1)
+    bottom, bottom_idx = rotated.min(dim=-1)
+    return torch.where(top >= -bottom, top_idx, bottom_idx + rotated.shape[-1])
+
+
 @register("reformer")
 class ReformerAttention(nn.Module):
     def __init__(self, config):
@@ -52,8 +61,9 @@ class ReformerAttention(nn.Module):
         keys = F.normalize(qp, dim=-1) * d ** -0.5
 
         rot = torch.randn(h, d, rounds, nbk // 2, device=q.device, dtype=q.dtype)
-        rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)
-        buckets = torch.cat([rotated, -rotated], dim=-1).argmax(dim=-1)              # (b, h, r, N)
+        rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)                # (b, h, r, N, nb/2)
+        buckets = lsh_buckets(rotated)                                               # (b, h, r, N)
+        del rotated  # O(N · nb) = O(N²/c) memory, inherent in LSH with nb ∝ N: freed before attention
         buckets = buckets.masked_fill(~maskp[:, None, None, :], nbk)                 # padding last
         pos = torch.arange(total, device=q.device)
         offsets = torch.arange(rounds, device=q.device)[:, None] * (nbk + 1)
