@@ -68,7 +68,7 @@ stage_profile() {
 stage_listops() {
   # One process per attention type, all at once on the one GPU (the LRA models are tiny); each generates the
   # same seeded data itself, unless LISTOPS_DATA names a folder of basic_{train,val,test}.tsv[.xz] files (made by
-  # `listops-generate` here and carried: generating 96k trees in 9 processes took ~3 minutes of device time).
+  # bench/listops_data.sh here and carried: generating 96k trees in 9 processes took ~3 minutes of device time).
   # LISTOPS_TYPES narrows the set; LISTOPS_ARGS adds flags (e.g. --time-limit-s 300).
   local d=$RESULTS/listops; mkdir -p "$d"
   local source=--generate
