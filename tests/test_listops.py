@@ -131,3 +131,25 @@ def test_time_limit_stops_training_early_and_still_reports_a_test_accuracy():
     result = train_one("softmax", splits, s, log=lines.append)
     assert result["steps"] == 1 and result["best_step"] == 1 and 0.0 <= result["test_accuracy"] <= 1.0
     assert any('"stopped_early": true' in line and '"planned_steps": 100' in line for line in lines)
+
+
+def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--data", str(FIXTURES), "--out", str(tmp_path), "--attn-types", "softmax,linear",
+                         "--seeds", "0,1", "--steps", "2", "--eval-every", "1", "--warmup", "1", "--max-length", "32",
+                         "--dim", "16", "--ffn-dim", "16"])
+    assert run_train(args) == 0
+    rows = list(csv.DictReader(open(tmp_path / "listops_results.csv")))
+    assert [(r["attn_type"], r["seed"]) for r in rows] == [("softmax", "0"), ("softmax", "1"), ("linear", "0"),
+                                                          ("linear", "1")]
+    md = (tmp_path / "listops_results.md").read_text()
+    assert "Over seeds" in md and "| softmax | 2 |" in md and "| linear | 2 |" in md
+
+
+def test_bad_seeds_are_refused(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    args = p.parse_args(["--data", str(FIXTURES), "--out", str(tmp_path), "--seeds", "0,x"])
+    assert run_train(args) == 2
+    assert "--seeds" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..cli import add_subcommand
@@ -72,6 +73,8 @@ def add_train_arguments(p):
                                 "checkpoint; the table's steps column shows how far it got)")
         else:
             p.add_argument(flag, type=type(val), default=val)
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="train each attention type once per seed (overrides --seed); the table adds mean ± std")
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                    help="override a model key for every run, e.g. --set num_landmarks=32 (repeatable)")
     p.add_argument("--title", default="ListOps")
@@ -88,6 +91,11 @@ def run_train(args) -> int:
         key, _, val = item.partition("=")
         overrides[key] = json.loads(val)
     settings = RunSettings(**{k: getattr(args, k) for k in RunSettings().__dict__})
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
+    except ValueError:
+        print(f"--seeds: expected comma-separated integers, got {args.seeds!r}", file=sys.stderr)
+        return 2
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -100,9 +108,10 @@ def run_train(args) -> int:
 
     results = []
     for name in names:
-        results.append(train_one(name, splits, settings, overrides, log))
-        log(json.dumps({"result": results[-1]}))
-        write_results(results, args.out, args.title, settings, majority_accuracy(splits["train"], splits["test"]))
+        for seed in seeds:
+            results.append(train_one(name, splits, replace(settings, seed=seed), overrides, log))
+            log(json.dumps({"result": results[-1]}))
+            write_results(results, args.out, args.title, settings, majority_accuracy(splits["train"], splits["test"]))
     print((args.out / "listops_results.md").read_text())
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -162,8 +163,8 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
     if stopped_early and log:
         log(json.dumps({"attn_type": attn_type, "stopped_early": True, "step": step, "planned_steps": s.steps,
                         "time_limit_s": s.time_limit_s}))
-    return {"attn_type": attn_type, "best_dev_accuracy": best_dev, "best_step": best_step, "test_accuracy": test,
-            "steps": step, "train_seconds": round(time.time() - start, 1),
+    return {"attn_type": attn_type, "seed": s.seed, "best_dev_accuracy": best_dev, "best_step": best_step,
+            "test_accuracy": test, "steps": step, "train_seconds": round(time.time() - start, 1),
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -185,8 +186,10 @@ def encode_splits(raw: Dict[str, list], max_length: int) -> Dict[str, list]:
 
 
 def write_results(results: List[dict], out_dir: Path, title: str, settings: RunSettings, majority: float) -> None:
+    """``listops_results.csv`` (one row per run) and ``listops_results.md`` (the runs, then mean ± sample standard
+    deviation over seeds for each attention type that ran with more than one seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cols = ["attn_type", "test_accuracy", "best_dev_accuracy", "best_step", "steps", "train_seconds", "params"]
+    cols = ["attn_type", "seed", "test_accuracy", "best_dev_accuracy", "best_step", "steps", "train_seconds", "params"]
     with open(out_dir / "listops_results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
@@ -194,9 +197,22 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
             w.writerow({c: r[c] for c in cols})
     lines = [f"## {title}", "", f"Settings: `{json.dumps(settings.__dict__)}`", "",
              f"Majority-class test accuracy: {100 * majority:.2f}%", "",
-             "| attention | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | params |",
-             "|---|---|---|---|---|---|---|"]
+             "| attention | seed | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | params |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['attn_type']} | {100 * r['test_accuracy']:.2f} | {100 * r['best_dev_accuracy']:.2f} | "
-                     f"{r['best_step']} | {r['steps']} | {r['train_seconds']} | {r['params']} |")
+        lines.append(f"| {r['attn_type']} | {r['seed']} | {100 * r['test_accuracy']:.2f} | "
+                     f"{100 * r['best_dev_accuracy']:.2f} | {r['best_step']} | {r['steps']} | {r['train_seconds']} | "
+                     f"{r['params']} |")
+    by_type: Dict[str, List[dict]] = {}
+    for r in results:
+        by_type.setdefault(r["attn_type"], []).append(r)
+    multi = {t: rs for t, rs in by_type.items() if len(rs) > 1}
+    if multi:
+        lines += ["", "Over seeds (mean ± sample standard deviation):", "",
+                  "| attention | seeds | test acc. (%) | best dev acc. (%) |", "|---|---|---|---|"]
+        for t, rs in multi.items():
+            test = [100 * r["test_accuracy"] for r in rs]
+            dev = [100 * r["best_dev_accuracy"] for r in rs]
+            lines.append(f"| {t} | {len(rs)} | {statistics.mean(test):.2f} ± {statistics.stdev(test):.2f} | "
+                         f"{statistics.mean(dev):.2f} ± {statistics.stdev(dev):.2f} |")
     (out_dir / "listops_results.md").write_text("\n".join(lines) + "\n")
