@@ -307,3 +307,29 @@ def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layou
         assert grad.stride() == t.stride()          # transposed views in, transposed-layout gradients out
     with torch.no_grad():                           # inference takes the per-kernel path: same function
         assert rel(nystrom_fast.forward(q, k, v, mask, **kw), att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_interp_model_gradients_with_the_kernels_match_the_reference(checkpointing):
+    from dataclasses import replace
+
+    from nystromformer.config import ModelConfig
+    from nystromformer.model import NystromformerForMaskedLM
+    cfg = ModelConfig(vocab_size=50, max_seq_len=67, embedding_dim=32, transformer_dim=32, transformer_hidden_dim=64,
+                      num_layers=2, num_head=2, head_dim=16, num_landmarks=8, conv_kernel_size=5, dropout_prob=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (2, 67), generator=g)
+    mask = torch.ones(2, 67, dtype=torch.long)
+    mask[1, 50:] = 0
+    grads = {}
+    for impl in ("reference", "fast"):
+        torch.manual_seed(0)
+        model = NystromformerForMaskedLM(replace(cfg, attention_grad_checkpointing=checkpointing)).double()
+        for module in model.modules():
+            if hasattr(module, "impl"):
+                module.impl = impl
+        model(ids, ids, mask).loss.backward()
+        grads[impl] = [p.grad for p in model.parameters()]
+    for fast, ref in zip(grads["fast"], grads["reference"]):
+        assert rel(fast, ref) < FP64_TOL or ref.norm() == 0
