@@ -183,9 +183,12 @@ class _TritonNystrom(torch.autograd.Function):
     def backward(ctx, g):
         from . import nystrom_triton as nt
         v, keep, conv_weight = ctx.saved_tensors
+        if ctx.inner is None:
+            raise RuntimeError("Nyström attention (Triton path): a second backward through the same forward "
+                               "(retain_graph=True) is not supported; set NYSTROM_TRITON=0 for that")
         g = g.contiguous()
         dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = torch.autograd.grad(ctx.inner, ctx.leaves, g)
-        ctx.inner = ctx.leaves = None
+        ctx.inner = ctx.leaves = None  # the inner graph's buffers are freed by that call; drop the references
         like_q, like_k, like_v = ctx.like
         dq = nt.segment_means_grad(dq_land.to(g.dtype), keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q)
         dk = nt.segment_means_grad(dk_land.to(g.dtype), keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k)
