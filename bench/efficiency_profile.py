@@ -47,7 +47,7 @@ FORM = {
     "linformer": "linear O(n·k)",
     "performer": "linear O(n·m)",
     "linear": "linear O(n·d)",
-    "reformer": "chunked O(r·n·c)",
+    "reformer": "chunked O(r·n·c); LSH hashing O(r·n²/c)",
     "longformer": "banded O(n·w)",
     "bigbird": "block-sparse O(n·(3+g+r)·b)",
     "linformer_revisited": "linear O(n·k)",
