@@ -84,13 +84,17 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, num_landmarks: int,
             pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
-            use_triton: Optional[bool] = None, pinv_precision: str = "auto") -> torch.Tensor:
+            use_triton: Optional[bool] = None, pinv_precision: str = "auto",
+            fused_backward: bool = True) -> torch.Tensor:
     """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding).
 
     ``conv_weight`` is the reference's Conv2d weight (h, 1, k, 1) or None. ``use_triton`` defaults to
     Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv kernel's
     products: "auto" = "tf32" for 16-bit inputs (its ~1e-3 error is below bf16's; checked by emulation in
     docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
+    ``fused_backward`` (Triton only): in training, run the layer as one autograd node (``_TritonNystrom``). Turn it
+    off under activation checkpointing: the node keeps its inner graph outside the saved-tensor hooks that
+    checkpointing relies on, so checkpointing would recompute it twice and free nothing.
     """
     b, h, n, d = q.shape
     if use_triton is None:
@@ -109,7 +113,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias)
-    elif use_triton and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    elif use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
         return _TritonNystrom.apply(q, k, v, conv_weight, keep, num_landmarks, landmark_args)
     else:
@@ -180,6 +184,7 @@ class _TritonNystrom(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (the fused kernels are not differentiable)
     def backward(ctx, g):
         from . import nystrom_triton as nt
         v, keep, conv_weight = ctx.saved_tensors
@@ -187,15 +192,24 @@ class _TritonNystrom(torch.autograd.Function):
             raise RuntimeError("Nyström attention (Triton path): a second backward through the same forward "
                                "(retain_graph=True) is not supported; set NYSTROM_TRITON=0 for that")
         g = g.contiguous()
-        dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = torch.autograd.grad(ctx.inner, ctx.leaves, g)
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        # Leaves (q_masked, k, v, q_land, k_land): only those an input that needs a gradient depends on.
+        wanted = [need_q, need_k, need_v, need_q, need_k]
+        grads = torch.autograd.grad(ctx.inner, [t for t, w in zip(ctx.leaves, wanted) if w], g)
         ctx.inner = ctx.leaves = None  # the inner graph's buffers are freed by that call; drop the references
+        it = iter(grads)
+        dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = (next(it) if w else None for w in wanted)
         like_q, like_k, like_v = ctx.like
-        dq = nt.segment_means_grad(dq_land.to(g.dtype), keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q)
-        dk = nt.segment_means_grad(dk_land.to(g.dtype), keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k)
-        dv, dw = dv_pass1, None
-        if conv_weight is not None:
-            taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
-            dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v)
-            if ctx.needs_input_grad[3]:
-                dw = nt.conv_weight_grad(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
+        dq = dk = dv = dw = None
+        if need_q:
+            dq = nt.segment_means_grad(dq_land, keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q)
+        if need_k:
+            dk = nt.segment_means_grad(dk_land, keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k)
+        if need_v:
+            dv = dv_pass1
+            if conv_weight is not None:
+                taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
+                dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v)
+        if conv_weight is not None and need_w:
+            dw = nt.conv_weight_grad(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
         return dq, dk, dv, dw, None, None, None
