@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nystromformer.attention import build_attention, nystrom_fast
 from nystromformer.attention.nystrom import iterative_pinv, pinv_init, segment_means, use_fast_path
@@ -351,3 +352,25 @@ def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_pat
     out = nystrom_fast.forward(q, k, v, mask, fused_backward=False, **kw)
     assert type(out.grad_fn).__name__ != "_TritonNystromBackward"
     assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,m,dtype", [(67, 8, torch.float64), (130, 64, torch.float64), (600, 20, torch.float32)])
+def test_interp_landmark_keys_kernel_is_sdpa_over_masked_queries(n, m, dtype):
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(2, n, 3, 16, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2).requires_grad_()
+    k_land, zw = (torch.randn(2, 3, m, 16, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+                  for _ in range(2))
+    keep = torch.ones(2, n, dtype=dtype)
+    keep[0, n - 11:] = 0
+    keep[1] = 0                                     # a row with no token at all: uniform weights, zero dq
+    out = nystrom_triton.landmark_keys_attention(q, keep, k_land, zw)
+    ref = F.scaled_dot_product_attention(q * keep[:, None, :, None], k_land, zw)
+    tol = FP64_TOL if dtype == torch.float64 else 1e-5
+    assert rel(out, ref) < tol
+    gout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, (q, k_land, zw), gout)
+    for a, b in zip(grads, torch.autograd.grad(ref, (q, k_land, zw), gout)):
+        assert rel(a, b) < tol
+    assert grads[0].stride() == q.stride()

@@ -109,7 +109,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # (min + log n rounds to min, which would make every probability 1 in the backward).
     has_token = keep.amax(dim=-1, keepdim=True)
     bias = ((1.0 - keep) * has_token * torch.finfo(dtype).min)[:, None, None, :]
-    landmark_args = (bias, pinv_iterations, init, use_triton, pinv_precision)
+    landmark_args = (keep, bias, pinv_iterations, init, use_triton, pinv_precision)
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias)
@@ -117,13 +117,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
         return _TritonNystrom.apply(q, k, v, conv_weight, keep, num_landmarks, landmark_args)
     else:
-        q = q * keep4
         if use_triton:
             from .nystrom_triton import segment_means_masked
             q_land = segment_means_masked(q, keep, num_landmarks)
             k_land = segment_means_masked(k, keep, num_landmarks)
         else:
-            q_land = segment_means(q, num_landmarks)
+            q_land = segment_means(q * keep4, num_landmarks)
             k_land = segment_means(k * keep4, num_landmarks)
         out = _landmark_attention(q, k, v, q_land, k_land, *landmark_args)
 
@@ -135,8 +134,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out
 
 
-def _landmark_attention(q, k, v, q_land, k_land, bias, pinv_iterations, init, use_triton, pinv_precision):
-    """SDPA(Q, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)) for masked Q; the m × m pieces in ≥ fp32."""
+def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, use_triton, pinv_precision):
+    """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
+
+    Pass 2 (every query over the m landmark keys) is the Triton kernel ``landmark_keys_attention`` when
+    ``use_triton`` and m ≤ 64 (it masks Q itself and spreads the n-long reductions of its backward over many
+    programs), else SDPA on the masked Q."""
     dtype = q.dtype
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
     w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias)
@@ -147,7 +150,10 @@ def _landmark_attention(q, k, v, q_land, k_land, bias, pinv_iterations, init, us
         a = torch.softmax(scores, dim=-1)
         z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
         zw = (z @ w.to(work)).to(dtype)
-    return F.scaled_dot_product_attention(q, k_land, zw)
+    if use_triton and k_land.shape[-2] <= 64:  # nystrom_triton.MAX_LANDMARKS
+        from .nystrom_triton import landmark_keys_attention
+        return landmark_keys_attention(q, keep, k_land, zw)
+    return F.scaled_dot_product_attention(q * keep[:, None, :, None], k_land, zw)
 
 
 class _TritonNystrom(torch.autograd.Function):
@@ -166,11 +172,10 @@ class _TritonNystrom(torch.autograd.Function):
     def forward(ctx, q, k, v, conv_weight, keep, m, landmark_args):
         from . import nystrom_triton as nt
         keep = keep.contiguous()
-        q_masked = q * keep[:, None, :, None]
         q_land = nt.segment_means_raw(q, keep, m)
         k_land = nt.segment_means_raw(k, keep, m)
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q_masked, k, v, q_land, k_land)]
+            leaves = [t.detach().requires_grad_() for t in (q, k, v, q_land, k_land)]
             inner = _landmark_attention(*leaves, *landmark_args)
         ctx.inner, ctx.leaves = inner, leaves
         ctx.n = q.shape[-2]
@@ -193,7 +198,7 @@ class _TritonNystrom(torch.autograd.Function):
                                "(retain_graph=True) is not supported; set NYSTROM_TRITON=0 for that")
         g = g.contiguous()
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        # Leaves (q_masked, k, v, q_land, k_land): only those an input that needs a gradient depends on.
+        # Leaves (q, k, v, q_land, k_land): only those an input that needs a gradient depends on.
         wanted = [need_q, need_k, need_v, need_q, need_k]
         grads = torch.autograd.grad(ctx.inner, [t for t, w in zip(ctx.leaves, wanted) if w], g)
         ctx.inner = ctx.leaves = None  # the inner graph's buffers are freed by that call; drop the references

@@ -106,6 +106,79 @@ if triton is not None:
         tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
+    def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, H, N, M, D, scale,
+                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+        # OUT = softmax(keep·Q K̃ᵀ · scale) ZW for one block of query rows. The m ≤ 64 landmark keys fit in one
+        # tile, so the softmax is exact in registers (no online rescaling) and the grid is (b·h, n / BLOCK_N).
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        lm = tl.arange(0, BLOCK_M)
+        rmask = rows < N
+        m2 = rmask[:, None] & (cols[None, :] < D)
+        l2 = (lm[:, None] < M) & (cols[None, :] < D)
+        kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
+        q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqn + cols[None, :] * sqd, mask=m2, other=0.0)
+        q = q * kp.to(q.dtype)[:, None]
+        land = (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :]
+        kl = tl.load(KL + land, mask=l2, other=0.0)
+        zw = tl.load(ZW + land, mask=l2, other=0.0)
+        s = tl.dot(q, tl.trans(kl), input_precision=PREC) * scale
+        s = tl.where((lm < M)[None, :], s, float("-inf"))
+        p = tl.exp(s - tl.max(s, axis=1)[:, None])
+        p = p / tl.sum(p, axis=1)[:, None]
+        o = tl.dot(p.to(zw.dtype), zw, input_precision=PREC)
+        tl.store(OUT + b * sob + h * soh + rows[:, None].to(tl.int64) * son + cols[None, :] * sod, o, mask=m2)
+
+    @triton.jit
+    def _lk_bwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, DO, sdb, sdh, sdn, sdd, DQ, sgb, sgh, sgn, sgd,
+                       DKL_P, DZW_P, H, N, M, D, scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_D: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, IS_F64: tl.constexpr):
+        # For TILES blocks of query rows: dQ (written, × keep), and this program's partial sums of dK̃ and d(ZW)
+        # over its rows (summed over programs in PyTorch) — the reductions over n that a flash-style backward
+        # over only 64 keys runs on one block per (batch, head).
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        lm = tl.arange(0, BLOCK_M)
+        l2 = (lm[:, None] < M) & (cols[None, :] < D)
+        land = (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :]
+        kl = tl.load(KL + land, mask=l2, other=0.0)
+        zw = tl.load(ZW + land, mask=l2, other=0.0)
+        if IS_F64:
+            dkl = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
+        else:
+            dkl = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dzw = tl.zeros_like(dkl)
+        for t in range(TILES):
+            rows = (tl.program_id(1) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rmask = rows < N
+            m2 = rmask[:, None] & (cols[None, :] < D)
+            r64 = rows[:, None].to(tl.int64)
+            kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
+            q = tl.load(Q + b * sqb + h * sqh + r64 * sqn + cols[None, :] * sqd, mask=m2, other=0.0)
+            q = q * kp.to(q.dtype)[:, None]
+            do = tl.load(DO + b * sdb + h * sdh + r64 * sdn + cols[None, :] * sdd, mask=m2, other=0.0)
+            s = tl.dot(q, tl.trans(kl), input_precision=PREC) * scale
+            s = tl.where((lm < M)[None, :], s, float("-inf"))
+            p = tl.exp(s - tl.max(s, axis=1)[:, None])
+            p = p / tl.sum(p, axis=1)[:, None]
+            dp = tl.dot(do, tl.trans(zw), input_precision=PREC)
+            ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])       # d loss / d s
+            dq = tl.dot(ds.to(kl.dtype), kl, input_precision=PREC) * scale
+            dq = dq * kp.to(dq.dtype)[:, None]
+            tl.store(DQ + b * sgb + h * sgh + r64 * sgn + cols[None, :] * sgd, dq, mask=m2)
+            dkl += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
+            dzw += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        part = ((bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M + lm[:, None]) * BLOCK_D \
+            + cols[None, :]
+        tl.store(DKL_P + part, dkl)
+        tl.store(DZW_P + part, dzw)
+
+    @triton.jit
     def _segmeans_kernel(X, sxb, sxh, sxn, sxd, KEEP, OUT, H, N, M, D, NCHUNK: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
         bh = tl.program_id(0)
@@ -288,6 +361,63 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
     if a.dtype == torch.float64:
         precision = "ieee"  # tf32 modes apply to fp32 operands only
     return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision, warps)
+
+
+# ----------------------------------------------------------------------------------------------- pass 2
+def _dot_precision(dtype) -> str:
+    # 16-bit operands use their own tensor-core type (the precision argument is ignored for them)
+    return {torch.float32: "tf32x3", torch.float64: "ieee"}.get(dtype, "tf32")
+
+
+class _LandmarkKeysAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, keep, k_land, zw):
+        b, h, n, d = q.shape
+        m = k_land.shape[-2]
+        keep = keep.contiguous()
+        k_land, zw = k_land.contiguous(), zw.contiguous()
+        out = torch.empty_like(q)
+        block_n = 64
+        consts = dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=max(16, triton.next_power_of_2(d)),
+                      PREC=_dot_precision(q.dtype))
+        # 8 warps: no spills at bf16 or fp32 (ptxas, sm_90; 4 warps need 239 registers)
+        _lk_fwd_kernel[(b * h, triton.cdiv(n, block_n))](q, *q.stride(), keep, k_land, zw, out, *out.stride(),
+                                                         h, n, m, d, d ** -0.5, num_warps=8, **consts)
+        ctx.save_for_backward(q, keep, k_land, zw)
+        ctx.consts = consts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        q, keep, k_land, zw = ctx.saved_tensors
+        b, h, n, d = q.shape
+        m = k_land.shape[-2]
+        c = dict(ctx.consts)
+        # 32 rows for 32/64-bit: at 64 the fp32 backward needs 225 KB of shared memory and spills (ptxas, sm_90)
+        c["BLOCK_N"] = 64 if q.element_size() <= 2 else 32
+        tiles = min(8, triton.cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
+        nprog = triton.cdiv(n, c["BLOCK_N"] * tiles)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dkl_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
+        dzw_p = torch.empty_like(dkl_p)
+        dq = torch.empty_like(q)
+        _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep, k_land, zw, g, *g.stride(), dq, *dq.stride(), dkl_p,
+                                       dzw_p, h, n, m, d, d ** -0.5, TILES=tiles, IS_F64=acc == torch.float64,
+                                       num_warps=8, **c)
+        dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype)
+        dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype)
+        return dq, None, dkl, dzw
+
+
+def landmark_keys_attention(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor,
+                            zw: torch.Tensor) -> torch.Tensor:
+    """``SDPA(q·keep, k_land, zw)``: every query over the m ≤ 64 landmark keys, for q (b, h, n, d) of any strides
+    and keep (b, n). The gradient for q is returned × keep (q is masked inside)."""
+    _check()
+    if k_land.shape[-2] > MAX_LANDMARKS:
+        raise ValueError(f"landmark_keys_attention: at most {MAX_LANDMARKS} landmarks, got {k_land.shape[-2]}")
+    return _LandmarkKeysAttention.apply(q, keep, k_land, zw)
 
 
 # ----------------------------------------------------------------------------------------------- segment means
