@@ -354,23 +354,48 @@ def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_pat
     assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL
 
 
+def _same_function_and_gradients(out, ref, params, dtype):
+    """out and ref agree (fp64: < FP64_TOL, fp32: < 1e-5), so do their gradients, and each gradient has the layout of
+    its input (the kernels write gradients with their inputs' strides)."""
+    tol = FP64_TOL if dtype == torch.float64 else 1e-5
+    assert rel(out, ref) < tol
+    gout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, params, gout)
+    for p, a, b in zip(params, grads, torch.autograd.grad(ref, params, gout)):
+        assert rel(a, b) < tol and a.stride() == p.stride()
+
+
+def _random(*shape, dtype, g, transposed=False):
+    x = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return (x.transpose(1, 2) if transposed else x).requires_grad_()
+
+
 @needs_interpreter
 @pytest.mark.parametrize("n,m,dtype", [(67, 8, torch.float64), (130, 64, torch.float64), (600, 20, torch.float32)])
 def test_interp_landmark_keys_kernel_is_sdpa_over_masked_queries(n, m, dtype):
     from nystromformer.attention import nystrom_triton
     g = torch.Generator().manual_seed(n)
-    q = torch.randn(2, n, 3, 16, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2).requires_grad_()
-    k_land, zw = (torch.randn(2, 3, m, 16, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-                  for _ in range(2))
+    q = _random(2, n, 3, 16, dtype=dtype, g=g, transposed=True)
+    k_land, zw = _random(2, 3, m, 16, dtype=dtype, g=g), _random(2, 3, m, 16, dtype=dtype, g=g)
     keep = torch.ones(2, n, dtype=dtype)
     keep[0, n - 11:] = 0
     keep[1] = 0                                     # a row with no token at all: uniform weights, zero dq
     out = nystrom_triton.landmark_keys_attention(q, keep, k_land, zw)
     ref = F.scaled_dot_product_attention(q * keep[:, None, :, None], k_land, zw)
-    tol = FP64_TOL if dtype == torch.float64 else 1e-5
-    assert rel(out, ref) < tol
-    gout = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, (q, k_land, zw), gout)
-    for a, b in zip(grads, torch.autograd.grad(ref, (q, k_land, zw), gout)):
-        assert rel(a, b) < tol
-    assert grads[0].stride() == q.stride()
+    _same_function_and_gradients(out, ref, (q, k_land, zw), dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,m,dtype", [(67, 8, torch.float64), (1100, 16, torch.float64), (600, 20, torch.float32)])
+def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(n)
+    k, v = _random(3, n, 2, 16, dtype=dtype, g=g, transposed=True), _random(3, n, 2, 16, dtype=dtype, g=g, transposed=True)
+    q_land = _random(3, 2, m, 16, dtype=dtype, g=g)
+    keep = torch.ones(3, n, dtype=dtype)
+    keep[0, n - 11:] = 0
+    keep[2] = 0                                     # no token: no bias, uniform weights (as the fast path does)
+    bias = (1 - keep) * keep.amax(-1, keepdim=True) * torch.finfo(dtype).min
+    out = nystrom_triton.landmark_queries_attention(q_land, k, v, bias)   # several programs per row when n > 512
+    ref = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
+    _same_function_and_gradients(out, ref, (q_land, k, v), dtype)

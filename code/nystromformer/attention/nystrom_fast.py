@@ -108,11 +108,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # 0 on every key, which is the reference's uniform row — but with a log-sum-exp that SDPA's backward can use
     # (min + log n rounds to min, which would make every probability 1 in the backward).
     has_token = keep.amax(dim=-1, keepdim=True)
-    bias = ((1.0 - keep) * has_token * torch.finfo(dtype).min)[:, None, None, :]
+    bias = (1.0 - keep) * has_token * torch.finfo(dtype).min                   # (b, n), added to key scores
     landmark_args = (keep, bias, pinv_iterations, init, use_triton, pinv_precision)
 
     if num_landmarks >= n:
-        out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias)
+        out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias[:, None, None, :])
     elif use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
         return _TritonNystrom.apply(q, k, v, conv_weight, keep, num_landmarks, landmark_args)
@@ -137,12 +137,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, use_triton, pinv_precision):
     """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
 
-    Pass 2 (every query over the m landmark keys) is the Triton kernel ``landmark_keys_attention`` when
-    ``use_triton`` and m ≤ 64 (it masks Q itself and spreads the n-long reductions of its backward over many
-    programs), else SDPA on the masked Q."""
+    With ``use_triton`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all keys)
+    ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
+    ``landmark_keys_attention``, which masks Q itself and spreads the n-long reductions of its backward over
+    many programs. Otherwise both are SDPA (pass 2 on the masked Q)."""
     dtype = q.dtype
+    kernels = use_triton and q_land.shape[-2] <= 64  # nystrom_triton.MAX_LANDMARKS
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
-    w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias)
+    if kernels:
+        from .nystrom_triton import landmark_queries_attention
+        w = landmark_queries_attention(q_land, k, v, bias)
+    else:
+        w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
     work = torch.promote_types(dtype, torch.float32)
     # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
     with torch.autocast(q.device.type, enabled=False):
@@ -150,7 +156,7 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         a = torch.softmax(scores, dim=-1)
         z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
         zw = (z @ w.to(work)).to(dtype)
-    if use_triton and k_land.shape[-2] <= 64:  # nystrom_triton.MAX_LANDMARKS
+    if kernels:
         from .nystrom_triton import landmark_keys_attention
         return landmark_keys_attention(q, keep, k_land, zw)
     return F.scaled_dot_product_attention(q * keep[:, None, :, None], k_land, zw)

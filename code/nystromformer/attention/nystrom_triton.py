@@ -106,6 +106,100 @@ if triton is not None:
         tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
+    def _landmark_tile(PTR, bh, M, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        # The (BLOCK_M, BLOCK_D) tile of row bh of a contiguous (b·h, M, D) tensor, zero beyond M and D.
+        lm = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        return tl.load(PTR + (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :],
+                       mask=(lm[:, None] < M) & (cols[None, :] < D), other=0.0)
+
+    @triton.jit
+    def _accumulator(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+        if IS_F64:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        return acc
+
+    @triton.jit
+    def _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D, scale,
+                             BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+        # One block of keys (and their values) for the landmark queries ql: ql·kᵀ·scale + key bias, −inf past N.
+        cols = tl.arange(0, BLOCK_D)
+        kmask = keys < N
+        k64 = keys[:, None].to(tl.int64)
+        m2 = kmask[:, None] & (cols[None, :] < D)
+        k = tl.load(K + b * skb + h * skh + k64 * skn + cols[None, :] * skd, mask=m2, other=0.0)
+        v = tl.load(V + b * svb + h * svh + k64 * svn + cols[None, :] * svd, mask=m2, other=0.0)
+        s = tl.dot(ql, tl.trans(k), input_precision=PREC) * scale  # fp32 (fp64 for fp64 inputs)
+        s = s + tl.load(BIAS + b * N + keys, mask=kmask, other=0.0).to(s.dtype)[None, :]
+        return k, v, tl.where(kmask[None, :], s, float("-inf"))
+
+    @triton.jit
+    def _lq_fwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, ACC, MAX, SUM, H, N, M, D, scale,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+                       PREC: tl.constexpr, IS_F64: tl.constexpr):
+        # Pass 1, split over keys: the m landmark queries against TILES blocks of keys with an online softmax;
+        # this program's (running max, sum, weighted V) go to ACC/MAX/SUM and are combined in PyTorch. At long n
+        # and small batch this puts n / (BLOCK_K·TILES) programs on each (batch, head) instead of one.
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        lm = tl.arange(0, BLOCK_M)
+        ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
+        acc = _accumulator(BLOCK_M, BLOCK_D, IS_F64)
+        m_i = tl.zeros([BLOCK_M], dtype=acc.dtype) - 1e30  # finite: a block of only padded keys adds nothing
+        l_i = tl.zeros([BLOCK_M], dtype=acc.dtype)
+        for t in range(TILES):
+            keys = (tl.program_id(1) * TILES + t) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k, v, s = _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D,
+                                           scale, BLOCK_D, PREC)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
+            m_i = m_new
+        part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(ACC + (part * BLOCK_M + lm[:, None]) * BLOCK_D + cols[None, :], acc)
+        tl.store(MAX + part * BLOCK_M + lm, m_i)
+        tl.store(SUM + part * BLOCK_M + lm, l_i)
+
+    @triton.jit
+    def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, DELTA,
+                       DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, H, N, M, D, scale,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
+                       PREC: tl.constexpr, IS_F64: tl.constexpr):
+        # For TILES blocks of keys: dK and dV (written), and this program's partial sum of dQ̃ (summed in PyTorch).
+        bh = tl.program_id(0)
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        lm = tl.arange(0, BLOCK_M)
+        ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
+        dw = _landmark_tile(DW, bh, M, D, BLOCK_M, BLOCK_D)
+        dql = _accumulator(BLOCK_M, BLOCK_D, IS_F64)
+        lse = tl.load(LSE + bh.to(tl.int64) * M + lm, mask=lm < M, other=0.0).to(dql.dtype)
+        delta = tl.load(DELTA + bh.to(tl.int64) * M + lm, mask=lm < M, other=0.0).to(dql.dtype)
+        for t in range(TILES):
+            keys = (tl.program_id(1) * TILES + t) * BLOCK_K + tl.arange(0, BLOCK_K)
+            k, v, s = _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D,
+                                           scale, BLOCK_D, PREC)
+            k64 = keys[:, None].to(tl.int64)
+            m2 = (keys < N)[:, None] & (cols[None, :] < D)
+            p = tl.exp(s - lse[:, None])                                   # (BLOCK_M, BLOCK_K)
+            dv = tl.dot(tl.trans(p.to(dw.dtype)), dw, input_precision=PREC)
+            tl.store(DV + b * sgvb + h * sgvh + k64 * sgvn + cols[None, :] * sgvd, dv, mask=m2)
+            dp = tl.dot(dw, tl.trans(v), input_precision=PREC).to(dql.dtype)
+            ds = p * (dp - delta[:, None])
+            dk = tl.dot(tl.trans(ds.to(ql.dtype)), ql, input_precision=PREC) * scale
+            tl.store(DK + b * sgkb + h * sgkh + k64 * sgkn + cols[None, :] * sgkd, dk, mask=m2)
+            dql += tl.dot(ds.to(k.dtype), k, input_precision=PREC).to(dql.dtype) * scale
+        part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(DQL_P + (part * BLOCK_M + lm[:, None]) * BLOCK_D + cols[None, :], dql)
+
+    @triton.jit
     def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, H, N, M, D, scale,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
         # OUT = softmax(keep·Q K̃ᵀ · scale) ZW for one block of query rows. The m ≤ 64 landmark keys fit in one
@@ -118,13 +212,11 @@ if triton is not None:
         lm = tl.arange(0, BLOCK_M)
         rmask = rows < N
         m2 = rmask[:, None] & (cols[None, :] < D)
-        l2 = (lm[:, None] < M) & (cols[None, :] < D)
         kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
         q = tl.load(Q + b * sqb + h * sqh + rows[:, None].to(tl.int64) * sqn + cols[None, :] * sqd, mask=m2, other=0.0)
         q = q * kp.to(q.dtype)[:, None]
-        land = (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :]
-        kl = tl.load(KL + land, mask=l2, other=0.0)
-        zw = tl.load(ZW + land, mask=l2, other=0.0)
+        kl = _landmark_tile(KL, bh, M, D, BLOCK_M, BLOCK_D)
+        zw = _landmark_tile(ZW, bh, M, D, BLOCK_M, BLOCK_D)
         s = tl.dot(q, tl.trans(kl), input_precision=PREC) * scale
         s = tl.where((lm < M)[None, :], s, float("-inf"))
         p = tl.exp(s - tl.max(s, axis=1)[:, None])
@@ -144,14 +236,9 @@ if triton is not None:
         h = (bh % H).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
-        l2 = (lm[:, None] < M) & (cols[None, :] < D)
-        land = (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :]
-        kl = tl.load(KL + land, mask=l2, other=0.0)
-        zw = tl.load(ZW + land, mask=l2, other=0.0)
-        if IS_F64:
-            dkl = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float64)
-        else:
-            dkl = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        kl = _landmark_tile(KL, bh, M, D, BLOCK_M, BLOCK_D)
+        zw = _landmark_tile(ZW, bh, M, D, BLOCK_M, BLOCK_D)
+        dkl = _accumulator(BLOCK_M, BLOCK_D, IS_F64)
         dzw = tl.zeros_like(dkl)
         for t in range(TILES):
             rows = (tl.program_id(1) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -369,6 +456,67 @@ def _dot_precision(dtype) -> str:
     return {torch.float32: "tf32x3", torch.float64: "ieee"}.get(dtype, "tf32")
 
 
+class _LandmarkQueriesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_land, k, v, key_bias):
+        b, h, m, d = q_land.shape
+        n = k.shape[-2]
+        q_land = q_land.contiguous()
+        key_bias = key_bias.contiguous()
+        acc_t = torch.float64 if q_land.dtype == torch.float64 else torch.float32
+        # 8 warps, 64 (fp32: 32) keys per block: no spills (ptxas, sm_90)
+        consts = dict(BLOCK_M=_block(m), BLOCK_K=64 if q_land.element_size() <= 2 else 32,
+                      BLOCK_D=max(16, triton.next_power_of_2(d)), PREC=_dot_precision(q_land.dtype),
+                      IS_F64=acc_t == torch.float64)
+        tiles = min(8, triton.cdiv(n, consts["BLOCK_K"]))
+        nprog = triton.cdiv(n, consts["BLOCK_K"] * tiles)
+        acc = torch.empty(b * h, nprog, consts["BLOCK_M"], consts["BLOCK_D"], device=k.device, dtype=acc_t)
+        mx = torch.empty(b * h, nprog, consts["BLOCK_M"], device=k.device, dtype=acc_t)
+        sm = torch.empty_like(mx)
+        _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias, acc, mx, sm, h, n, m, d,
+                                       d ** -0.5, TILES=tiles, num_warps=8, **consts)
+        top = mx.amax(dim=1, keepdim=True)                       # combine the programs' online softmaxes
+        weight = torch.exp(mx - top)
+        total = (weight * sm).sum(dim=1)                          # (b·h, BLOCK_M)
+        out = (weight[..., None] * acc).sum(dim=1) / total[..., None]
+        lse = (top.squeeze(1) + torch.log(total))[:, :m].reshape(b, h, m)
+        out = out[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype)
+        ctx.save_for_backward(q_land, k, v, key_bias, out, lse)
+        ctx.consts = consts
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        q_land, k, v, key_bias, out, lse = ctx.saved_tensors
+        b, h, m, d = q_land.shape
+        n = k.shape[-2]
+        c = dict(ctx.consts)
+        c["BLOCK_K"] = 32 if q_land.element_size() <= 2 else 16  # no spills at 8 warps (ptxas, sm_90)
+        tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
+        nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
+        g = g.contiguous()
+        delta = (g.to(lse.dtype) * out.to(lse.dtype)).sum(-1).contiguous()   # rowsum(dW ⊙ W), (b, h, m)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
+        _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias, g, lse.contiguous(),
+                                       delta, dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d, d ** -0.5,
+                                       TILES=tiles, num_warps=8, **c)
+        dql = dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous()
+        return dql, dk, dv, None
+
+
+def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               key_bias: torch.Tensor) -> torch.Tensor:
+    """``SDPA(q_land, k, v, attn_mask=key_bias[:, None, None, :])``: the m ≤ 64 landmark queries (b, h, m, d) over
+    all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n)."""
+    _check()
+    if q_land.shape[-2] > MAX_LANDMARKS:
+        raise ValueError(f"landmark_queries_attention: at most {MAX_LANDMARKS} landmarks, got {q_land.shape[-2]}")
+    return _LandmarkQueriesAttention.apply(q_land, k, v, key_bias)
+
+
 class _LandmarkKeysAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keep, k_land, zw):
@@ -405,8 +553,8 @@ class _LandmarkKeysAttention(torch.autograd.Function):
         _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep, k_land, zw, g, *g.stride(), dq, *dq.stride(), dkl_p,
                                        dzw_p, h, n, m, d, d ** -0.5, TILES=tiles, IS_F64=acc == torch.float64,
                                        num_warps=8, **c)
-        dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype)
-        dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype)
+        dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype).contiguous()
+        dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype).contiguous()
         return dq, None, dkl, dzw
 
 
