@@ -399,3 +399,14 @@ def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
     out = nystrom_triton.landmark_queries_attention(q_land, k, v, bias)   # several programs per row when n > 512
     ref = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
     _same_function_and_gradients(out, ref, (q_land, k, v), dtype)
+
+
+def test_triton_is_not_chosen_for_head_dims_its_tiles_do_not_fit(monkeypatch):
+    q = torch.randn(1, H, 70, 128)
+    monkeypatch.setattr(nystrom_fast, "_triton_default", lambda x: True)   # as on a GPU with triton
+    att = layer(8, 5, dtype=torch.float64)
+    mask = torch.ones(1, 70)
+    out = nystrom_fast.forward(q.double(), q.double(), q.double(), mask, num_landmarks=8, conv_weight=att.conv.weight)
+    assert out.shape == q.shape                       # ran on PyTorch ops: no Triton on CPU tensors
+    with pytest.raises(ValueError, match="head_dim <= 64"):
+        nystrom_fast.forward(q, q, q, mask, num_landmarks=8, use_triton=True)

@@ -98,7 +98,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     """
     b, h, n, d = q.shape
     if use_triton is None:
-        use_triton = _triton_default(q)
+        use_triton = d <= 64 and _triton_default(q)  # nystrom_triton.MAX_HEAD_DIM
+    elif use_triton and d > 64:
+        raise ValueError(f"the Triton kernels support head_dim <= 64, got {d} (use_triton=False uses PyTorch ops)")
     if pinv_precision == "auto":
         pinv_precision = "tf32" if q.element_size() <= 2 else "tf32x3"
     dtype = q.dtype

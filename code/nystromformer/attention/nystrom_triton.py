@@ -35,6 +35,9 @@ else:
     _IMPORT_ERROR = None
 
 MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
+# Tiles are sized for head_dim ≤ 64: at 128, fp32 backward and conv kernels need 300+ KB of shared memory, over
+# the H100's 227 KB (triton.compile for sm_90 on the CPU machine); the fast path then uses PyTorch ops.
+MAX_HEAD_DIM = 64
 
 
 def available() -> bool:
