@@ -9,6 +9,8 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
   fast-torch     nystrom_fast.forward, bf16, PyTorch ops only (grouped conv1d, batched pinv)
   fast-triton    nystrom_fast.forward, bf16, Triton kernels for segment means, pinv and conv+add
   fast-triton-fp32  as above in fp32 (what the model runs with attention_fp32: true)
+  fast-triton-all[-fp32]  NYSTROM_TRITON=all: also the Triton kernels for both attention passes and the one-node
+                 training backward (built after the first H100 measurements)
 
 Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
 weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
@@ -38,7 +40,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
-IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32"]
+IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
+         "fast-triton-all-fp32"]
+
+
+def with_triton_mode(mode, fn):
+    """fn with NYSTROM_TRITON=mode during the forward call (the backward follows the forward's choices)."""
+    def run(*args):
+        old = os.environ.get("NYSTROM_TRITON")
+        os.environ["NYSTROM_TRITON"] = mode
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                os.environ.pop("NYSTROM_TRITON")
+            else:
+                os.environ["NYSTROM_TRITON"] = old
+    return run
 
 
 def make_impl(name, layer):
@@ -51,10 +69,10 @@ def make_impl(name, layer):
         return torch.float32, layer.reference_forward
     if name == "fast-torch":
         return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=False, **kw)
-    if name == "fast-triton":
-        return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw)
-    if name == "fast-triton-fp32":
-        return torch.float32, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw)
+    if name.startswith("fast-triton"):
+        fn = with_triton_mode("all" if "-all" in name else "1",
+                              lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
+        return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 
 
@@ -191,7 +209,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             if name == "sdpa":
                 sdpa_ms = ms
-            elem = 2 if name in ("sdpa", "fast-torch", "fast-triton") else 4
+            elem = 4 if name in ("paper-fp32",) or name.endswith("fp32") else 2
             floor_ms = 12 * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth else None
             rows.append(dict(n=n, batch=b, impl=name, ms=ms, peak_mib=peak,
                              vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),

@@ -43,7 +43,7 @@ stage_pinv() {
 stage_attention() {
   local d=$RESULTS/attention; mkdir -p "$d"
   timeout "$limit" "$python" bench/attention_speed.py --check --csv "$d/attention.csv" --plot "$d/attention_speed.png" \
-    --kernels fast-triton > "$d/attention.md"
+    --kernels fast-triton fast-triton-all > "$d/attention.md"
   sed -n '1,/^$/p' "$d/attention.md"
   timeout "$limit" "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
 }
@@ -52,10 +52,10 @@ stage_model() {
   local d=$RESULTS/model; mkdir -p "$d"
   for fp32 in true false; do
     timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
-      $([ "$fp32" = false ] && echo --kernels nystrom softmax) >> "$d/model-512.md"
+      $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) >> "$d/model-512.md"
   done
-  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax hf-nystromformer \
-    --attention-fp32 false --kernels nystrom > "$d/model-4096.md"
+  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 \
+    --models nystrom nystrom-all softmax hf-nystromformer --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
   grep -h -A7 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 

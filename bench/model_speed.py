@@ -4,6 +4,7 @@ One training step = forward (MLM loss on the ~15% masked positions) + backward +
 on CUDA, unpadded full-length batches of random tokens. Models (same size, ModelConfig defaults unless given):
 
   nystrom               our model, attn_type nystrom (conv 33, 64 landmarks), attention_fp32 as --attention-fp32
+  nystrom-all           the same with NYSTROM_TRITON=all (attention-pass kernels, one-node backward)
   nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
   softmax               our model, attn_type softmax (SDPA)
   hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
 
-MODELS = ["nystrom", "nystrom-reference", "softmax", "hf-nystromformer"]
+MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer"]
 
 
 def build(name, cfg, device):
@@ -99,8 +100,11 @@ def main(argv=None):
     rows, breakdowns = {}, {}
     for name in args.models:
         os.environ.pop("NYSTROM_IMPL", None)
+        os.environ.pop("NYSTROM_TRITON", None)
         if name == "nystrom-reference":
             os.environ["NYSTROM_IMPL"] = "reference"
+        if name == "nystrom-all":
+            os.environ["NYSTROM_TRITON"] = "all"
         try:
             torch.manual_seed(0)
             model, is_hf = build(name, cfg, device)
@@ -135,6 +139,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     os.environ.pop("NYSTROM_IMPL", None)
+    os.environ.pop("NYSTROM_TRITON", None)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
           f"attention_fp32={args.attention_fp32}, compile={args.compile}, device={dev}, torch {torch.__version__}")

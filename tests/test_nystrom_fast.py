@@ -176,12 +176,13 @@ def test_triton_kernels_under_interpreter():
     if not _triton_importable():
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop("NYSTROM_IMPL", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-                           str(Path(__file__))], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+    for mode in ("1", "all"):  # the kernels checked on a GPU; and with the attention-pass kernels and fused node
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", NYSTROM_TRITON=mode)
+        env.pop("NYSTROM_IMPL", None)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
+                               str(Path(__file__))], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, mode + proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
 @needs_interpreter
@@ -257,25 +258,32 @@ def _gpu_case(dtype, use_triton, n=1000, m=64, conv=33, init="original", pad=(0,
     return rel(out, ref), [rel(a, b) for a, b in zip(grads, grads_ref)]
 
 
+# torch = PyTorch ops; triton = NYSTROM_TRITON=1 (the GPU-checked kernels); triton-all = NYSTROM_TRITON=all
+GPU_IMPLS = ["torch", "triton", "triton-all"]
+
+
+def _gpu_impl(impl, monkeypatch):
+    if impl != "torch" and not _triton_importable():
+        pytest.skip("triton not importable on this GPU machine")
+    monkeypatch.setenv("NYSTROM_TRITON", "all" if impl == "triton-all" else "1")
+    return impl != "torch"
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("n,m,conv,init", [(1000, 64, 33, "original"), (4096, 64, None, "exact"),
                                            (300, 32, 33, "original"), (48, 64, 33, "original")])
-def test_gpu_bf16_within_tolerance(use_triton, n, m, conv, init):
-    if use_triton and not _triton_importable():
-        pytest.skip("triton not importable on this GPU machine")
-    err, grad_errs = _gpu_case(torch.bfloat16, use_triton, n, m, conv, init)
+def test_gpu_bf16_within_tolerance(impl, n, m, conv, init, monkeypatch):
+    err, grad_errs = _gpu_case(torch.bfloat16, _gpu_impl(impl, monkeypatch), n, m, conv, init)
     assert err <= 1e-2 and max(grad_errs) <= 2e-2, (err, grad_errs)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_gpu_fp32_close(use_triton):
-    if use_triton and not _triton_importable():
-        pytest.skip("triton not importable on this GPU machine")
-    err, grad_errs = _gpu_case(torch.float32, use_triton)
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+def test_gpu_fp32_close(impl, monkeypatch):
+    err, grad_errs = _gpu_case(torch.float32, _gpu_impl(impl, monkeypatch))
     # SDPA in fp32 may use TF32 off by default; 1e-4 leaves room for reordered sums (METHOD.md: fp32 << 1e-3)
     assert err <= 1e-4 and max(grad_errs) <= 1e-3, (err, grad_errs)
 
@@ -298,7 +306,8 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
 
 
 @needs_interpreter
-def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layout():
+def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layout(monkeypatch):
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
     att = layer(8, 5)
     (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=5)
     kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
@@ -337,7 +346,8 @@ def test_interp_model_gradients_with_the_kernels_match_the_reference(checkpointi
 
 
 @needs_interpreter
-def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_path():
+def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_path(monkeypatch):
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
     att = layer(8, 5)
     (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=7)
     q0, k0 = q.detach(), k.detach()                  # only v (and the conv weight) need gradients
@@ -410,3 +420,11 @@ def test_triton_is_not_chosen_for_head_dims_its_tiles_do_not_fit(monkeypatch):
     assert out.shape == q.shape                       # ran on PyTorch ops: no Triton on CPU tensors
     with pytest.raises(ValueError, match="head_dim <= 64"):
         nystrom_fast.forward(q, q, q, mask, num_landmarks=8, use_triton=True)
+
+
+def test_triton_mode_defaults_to_the_gpu_checked_kernels_and_rejects_unknown_values(monkeypatch):
+    monkeypatch.delenv("NYSTROM_TRITON", raising=False)
+    assert nystrom_fast.triton_mode() == "1"
+    monkeypatch.setenv("NYSTROM_TRITON", "yes")
+    with pytest.raises(ValueError, match="NYSTROM_TRITON"):
+        nystrom_fast.triton_mode()

@@ -107,7 +107,7 @@ class NystromAttention(nn.Module):
             return nystrom_fast.forward(q, k, v, mask, num_landmarks=self.num_landmarks,
                                         pinv_iterations=self.pinv_iterations, init=self.init_option,
                                         conv_weight=None if self.conv is None else self.conv.weight,
-                                        fused_backward=not self.checkpointed)
+                                        fused_backward=False if self.checkpointed else None)
         return self.reference_forward(q, k, v, mask)
 
     def reference_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -28,7 +28,9 @@ not stable in bf16, and they are tiny (m × m and m × d per head).
 
 On CUDA, when Triton is importable, the segment means, the pseudo-inverse iteration and the conv (+ residual add)
 run as Triton kernels (``nystrom_triton``); otherwise, and on CPU, as PyTorch ops (the conv as a grouped conv1d,
-which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRITON=0`` disables the kernels.
+which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRITON`` chooses (``triton_mode``):
+0 = none, 1 = the kernels checked on an H100 (default), all = also the attention-pass kernels and the one-node
+training backward, which are tested on CPU only so far.
 """
 from __future__ import annotations
 
@@ -41,8 +43,21 @@ import torch.nn.functional as F
 from .nystrom import pinv_init, segment_means
 
 
+TRITON_MODES = ("0", "1", "all")
+
+
+def triton_mode() -> str:
+    """``NYSTROM_TRITON``: "0" no Triton kernels; "1" (default) the kernels measured on an H100 (segment means,
+    pseudo-inverse, conv); "all" also the ones built since and not yet run on a GPU (both attention passes and
+    the one-node training backward) — the default moves to them once a GPU session has checked and timed them."""
+    mode = os.environ.get("NYSTROM_TRITON", "1")
+    if mode not in TRITON_MODES:
+        raise ValueError(f"NYSTROM_TRITON: expected one of {', '.join(TRITON_MODES)}, got {mode!r}")
+    return mode
+
+
 def _triton_default(x: torch.Tensor) -> bool:
-    if os.environ.get("NYSTROM_TRITON", "1") == "0":
+    if triton_mode() == "0":
         return False
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if not (x.is_cuda or interpret):
@@ -85,15 +100,15 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, num_landmarks: int,
             pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
             use_triton: Optional[bool] = None, pinv_precision: str = "auto",
-            fused_backward: bool = True) -> torch.Tensor:
+            fused_backward: Optional[bool] = None) -> torch.Tensor:
     """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding).
 
     ``conv_weight`` is the reference's Conv2d weight (h, 1, k, 1) or None. ``use_triton`` defaults to
     Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv kernel's
     products: "auto" = "tf32" for 16-bit inputs (its ~1e-3 error is below bf16's; checked by emulation in
     docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
-    ``fused_backward`` (Triton only): in training, run the layer as one autograd node (``_TritonNystrom``). Turn it
-    off under activation checkpointing: the node keeps its inner graph outside the saved-tensor hooks that
+    ``fused_backward`` (Triton only; default: ``NYSTROM_TRITON=all``): in training, run the layer as one autograd
+    node (``_TritonNystrom``). Never under activation checkpointing: the node keeps its inner graph outside the saved-tensor hooks that
     checkpointing relies on, so checkpointing would recompute it twice and free nothing.
     """
     b, h, n, d = q.shape
@@ -111,7 +126,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # (min + log n rounds to min, which would make every probability 1 in the backward).
     has_token = keep.amax(dim=-1, keepdim=True)
     bias = (1.0 - keep) * has_token * torch.finfo(dtype).min                   # (b, n), added to key scores
-    landmark_args = (keep, bias, pinv_iterations, init, use_triton, pinv_precision)
+    attention_kernels = use_triton and triton_mode() == "all"
+    if fused_backward is None:
+        fused_backward = attention_kernels
+    landmark_args = (keep, bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias[:, None, None, :])
@@ -136,15 +154,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out
 
 
-def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, use_triton, pinv_precision):
+def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, attention_kernels, use_triton,
+                        pinv_precision):
     """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
 
-    With ``use_triton`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all keys)
+    With ``attention_kernels`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all keys)
     ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
     ``landmark_keys_attention``, which masks Q itself and spreads the n-long reductions of its backward over
     many programs. Otherwise both are SDPA (pass 2 on the masked Q)."""
     dtype = q.dtype
-    kernels = use_triton and q_land.shape[-2] <= 64  # nystrom_triton.MAX_LANDMARKS
+    kernels = attention_kernels and q_land.shape[-2] <= 64  # nystrom_triton.MAX_LANDMARKS
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
     if kernels:
         from .nystrom_triton import landmark_queries_attention
