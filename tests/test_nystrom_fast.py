@@ -428,3 +428,19 @@ def test_triton_mode_defaults_to_the_gpu_checked_kernels_and_rejects_unknown_val
     monkeypatch.setenv("NYSTROM_TRITON", "yes")
     with pytest.raises(ValueError, match="NYSTROM_TRITON"):
         nystrom_fast.triton_mode()
+
+
+@pytest.mark.parametrize("shared,fits", [(101376, False), (166912, True), (232448, True)])  # sm_89, A100, H100
+def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, fits):
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from types import SimpleNamespace
+
+    from nystromformer.attention import nystrom_triton
+    utils = SimpleNamespace(get_device_properties=lambda index: {"max_shared_mem": shared})
+    monkeypatch.setattr(nystrom_triton.triton.runtime, "driver", SimpleNamespace(active=SimpleNamespace(utils=utils)))
+    nystrom_triton.fits_device.cache_clear()
+    try:
+        assert nystrom_triton.fits_device(0) is fits
+    finally:
+        nystrom_triton.fits_device.cache_clear()

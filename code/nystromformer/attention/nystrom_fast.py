@@ -63,7 +63,10 @@ def _triton_default(x: torch.Tensor) -> bool:
     if not (x.is_cuda or interpret):
         return False
     from . import nystrom_triton
-    return nystrom_triton.available()
+    if not nystrom_triton.available():
+        return False
+    return interpret or nystrom_triton.fits_device(x.device.index if x.device.index is not None
+                                                   else torch.cuda.current_device())
 
 
 def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch.Tensor:

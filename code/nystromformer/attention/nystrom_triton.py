@@ -23,6 +23,8 @@ Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``test
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # triton is an optional dependency (the `test` extra installs it; CUDA images ship it with torch)
@@ -40,8 +42,24 @@ MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
 MAX_HEAD_DIM = 64
 
 
+# The largest block of shared memory the kernels ask for at head_dim ≤ 64 (pinv backward: 160 KB; the fp32
+# attention-pass backwards up to 160.25 KB; from triton.compile for sm_90). An A100 (163 KB per block) and an H100
+# (227 KB) have it; sm_86/89 cards (99 KB) do not, and there the fast path runs on PyTorch ops instead.
+SHARED_MEMORY_NEEDED = 164096
+
+
 def available() -> bool:
     return triton is not None
+
+
+@functools.lru_cache(maxsize=None)
+def fits_device(index: int) -> bool:
+    """Whether CUDA device ``index`` gives a block the kernels' shared memory (unknown: assume it does)."""
+    try:
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+    except Exception:  # pragma: no cover - depends on the driver API of the installed triton
+        return True
+    return props.get("max_shared_mem", SHARED_MEMORY_NEEDED) >= SHARED_MEMORY_NEEDED
 
 
 def _block(m: int) -> int:
@@ -483,8 +501,11 @@ class _LandmarkQueriesAttention(torch.autograd.Function):
         total = (weight * sm).sum(dim=1)                          # (b·h, BLOCK_M)
         out = (weight[..., None] * acc).sum(dim=1) / total[..., None]
         lse = (top.squeeze(1) + torch.log(total))[:, :m].reshape(b, h, m)
-        out = out[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype)
+        out = out[:, :m, :d].reshape(b, h, m, d)
+        # The backward's rowsum(dW ⊙ W) from the fp32 W: from the bf16-rounded one, every score gradient of a row
+        # shifts alike and the error adds up over n (dK, dQ̃ ~1.4× less accurate in a bf16 emulation).
         ctx.save_for_backward(q_land, k, v, key_bias, out, lse)
+        out = out.to(q_land.dtype)
         ctx.consts = consts
         return out
 
@@ -499,7 +520,7 @@ class _LandmarkQueriesAttention(torch.autograd.Function):
         tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
         nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
         g = g.contiguous()
-        delta = (g.to(lse.dtype) * out.to(lse.dtype)).sum(-1).contiguous()   # rowsum(dW ⊙ W), (b, h, m)
+        delta = (g.to(lse.dtype) * out).sum(-1).contiguous()                  # rowsum(dW ⊙ W), (b, h, m)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
