@@ -430,8 +430,9 @@ def test_triton_mode_defaults_to_the_gpu_checked_kernels_and_rejects_unknown_val
         nystrom_fast.triton_mode()
 
 
-@pytest.mark.parametrize("shared,fits", [(101376, False), (166912, True), (232448, True)])  # sm_89, A100, H100
-def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, fits):
+@pytest.mark.parametrize("shared,element_size,fits", [(101376, 2, False), (166912, 2, True), (166912, 4, False),
+                                                       (232448, 2, True), (232448, 4, True)])  # sm_89, A100, H100
+def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, element_size, fits):
     if not _triton_importable():
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     from types import SimpleNamespace
@@ -441,6 +442,21 @@ def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, 
     monkeypatch.setattr(nystrom_triton.triton.runtime, "driver", SimpleNamespace(active=SimpleNamespace(utils=utils)))
     nystrom_triton.fits_device.cache_clear()
     try:
-        assert nystrom_triton.fits_device(0) is fits
+        assert nystrom_triton.fits_device(0, element_size) is fits
     finally:
         nystrom_triton.fits_device.cache_clear()
+
+
+@pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU target; not under the interpreter")
+def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import triton_compile_report as report
+    from nystromformer.attention import nystrom_triton
+    for dt, prec, wide in (("bf16", "tf32", False), ("fp32", "tf32x3", True)):
+        need = nystrom_triton.SHARED_MEMORY_NEEDED[2 if dt == "bf16" else 4]
+        for label, kernel, sig, consts, warps in report.configs(dt, prec, wide):
+            shared, regs, spill = report.report(kernel, dict(sig), dict(consts), warps, 90)
+            assert shared <= need <= 227 * 1024, (label, dt, shared)   # H100/H200: 227 KB per block
+            assert regs is not None and regs <= 255, (label, dt, regs)

@@ -42,10 +42,11 @@ MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
 MAX_HEAD_DIM = 64
 
 
-# The largest block of shared memory the kernels ask for at head_dim ≤ 64 (pinv backward: 160 KB; the fp32
-# attention-pass backwards up to 160.25 KB; from triton.compile for sm_90). An A100 (163 KB per block) and an H100
-# (227 KB) have it; sm_86/89 cards (99 KB) do not, and there the fast path runs on PyTorch ops instead.
-SHARED_MEMORY_NEEDED = 164096
+# The largest block of shared memory the kernels ask for at head_dim ≤ 64, by the attention's element size
+# (bench/triton_compile_report.py, sm_90): 16-bit 160 KB (the pinv backward), fp32 193 KB (the conv's tf32x3
+# product). An H100 (227 KB per block) has both; an A100 (163 KB) the first; sm_86/89 cards (99 KB) neither —
+# there the fast path runs on PyTorch ops instead.
+SHARED_MEMORY_NEEDED = {2: 163840, 4: 197632, 8: 197632}
 
 
 def available() -> bool:
@@ -53,13 +54,15 @@ def available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def fits_device(index: int) -> bool:
-    """Whether CUDA device ``index`` gives a block the kernels' shared memory (unknown: assume it does)."""
+def fits_device(index: int, element_size: int = 2) -> bool:
+    """Whether CUDA device ``index`` gives a block the shared memory the kernels need for attention inputs of
+    ``element_size`` bytes (unknown: assume it does)."""
+    need = SHARED_MEMORY_NEEDED[element_size]
     try:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
     except Exception:  # pragma: no cover - depends on the driver API of the installed triton
         return True
-    return props.get("max_shared_mem", SHARED_MEMORY_NEEDED) >= SHARED_MEMORY_NEEDED
+    return props.get("max_shared_mem", need) >= need
 
 
 def _block(m: int) -> int:
@@ -127,6 +130,20 @@ if triton is not None:
         tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
+    def _batch_head(H):
+        # The program's (batch·head) row and its batch and head indices (64-bit: they scale big offsets).
+        bh = tl.program_id(0)
+        return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+
+    @triton.jit
+    def _store_partial(PTR, tile, bh, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        # This program's (BLOCK_M, BLOCK_D) partial sum, at [bh, program_id(1)] of a (b·h, programs, BLOCK_M,
+        # BLOCK_D) buffer that PyTorch sums over programs.
+        part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(PTR + (part * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :],
+                 tile)
+
+    @triton.jit
     def _landmark_tile(PTR, bh, M, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         # The (BLOCK_M, BLOCK_D) tile of row bh of a contiguous (b·h, M, D) tensor, zero beyond M and D.
         lm = tl.arange(0, BLOCK_M)
@@ -163,10 +180,7 @@ if triton is not None:
         # Pass 1, split over keys: the m landmark queries against TILES blocks of keys with an online softmax;
         # this program's (running max, sum, weighted V) go to ACC/MAX/SUM and are combined in PyTorch. At long n
         # and small batch this puts n / (BLOCK_K·TILES) programs on each (batch, head) instead of one.
-        bh = tl.program_id(0)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        cols = tl.arange(0, BLOCK_D)
+        bh, b, h = _batch_head(H)
         lm = tl.arange(0, BLOCK_M)
         ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
         acc = _accumulator(BLOCK_M, BLOCK_D, IS_F64)
@@ -182,8 +196,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
             m_i = m_new
+        _store_partial(ACC, acc, bh, BLOCK_M, BLOCK_D)
         part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        tl.store(ACC + (part * BLOCK_M + lm[:, None]) * BLOCK_D + cols[None, :], acc)
         tl.store(MAX + part * BLOCK_M + lm, m_i)
         tl.store(SUM + part * BLOCK_M + lm, l_i)
 
@@ -193,9 +207,7 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
                        PREC: tl.constexpr, IS_F64: tl.constexpr):
         # For TILES blocks of keys: dK and dV (written), and this program's partial sum of dQ̃ (summed in PyTorch).
-        bh = tl.program_id(0)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
+        bh, b, h = _batch_head(H)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
         ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
@@ -217,17 +229,14 @@ if triton is not None:
             dk = tl.dot(tl.trans(ds.to(ql.dtype)), ql, input_precision=PREC) * scale
             tl.store(DK + b * sgkb + h * sgkh + k64 * sgkn + cols[None, :] * sgkd, dk, mask=m2)
             dql += tl.dot(ds.to(k.dtype), k, input_precision=PREC).to(dql.dtype) * scale
-        part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        tl.store(DQL_P + (part * BLOCK_M + lm[:, None]) * BLOCK_D + cols[None, :], dql)
+        _store_partial(DQL_P, dql, bh, BLOCK_M, BLOCK_D)
 
     @triton.jit
     def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, H, N, M, D, scale,
                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
         # OUT = softmax(keep·Q K̃ᵀ · scale) ZW for one block of query rows. The m ≤ 64 landmark keys fit in one
         # tile, so the softmax is exact in registers (no online rescaling) and the grid is (b·h, n / BLOCK_N).
-        bh = tl.program_id(0)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
+        bh, b, h = _batch_head(H)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
@@ -252,9 +261,7 @@ if triton is not None:
         # For TILES blocks of query rows: dQ (written, × keep), and this program's partial sums of dK̃ and d(ZW)
         # over its rows (summed over programs in PyTorch) — the reductions over n that a flash-style backward
         # over only 64 keys runs on one block per (batch, head).
-        bh = tl.program_id(0)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
+        bh, b, h = _batch_head(H)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
         kl = _landmark_tile(KL, bh, M, D, BLOCK_M, BLOCK_D)
@@ -281,10 +288,8 @@ if triton is not None:
             tl.store(DQ + b * sgb + h * sgh + r64 * sgn + cols[None, :] * sgd, dq, mask=m2)
             dkl += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC) * scale
             dzw += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        part = ((bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_M + lm[:, None]) * BLOCK_D \
-            + cols[None, :]
-        tl.store(DKL_P + part, dkl)
-        tl.store(DZW_P + part, dzw)
+        _store_partial(DKL_P, dkl, bh, BLOCK_M, BLOCK_D)
+        _store_partial(DZW_P, dzw, bh, BLOCK_M, BLOCK_D)
 
     @triton.jit
     def _segmeans_kernel(X, sxb, sxh, sxn, sxd, KEEP, OUT, H, N, M, D, NCHUNK: tl.constexpr,

@@ -1,0 +1,110 @@
+"""Compile every Triton kernel of the Nyström fast path for a GPU target without a GPU; report resources.
+
+For each kernel, in the configurations the host code launches at head_dim 64 and 64 landmarks (bf16 and fp32),
+this compiles with Triton for the target (default sm_90, the H100/H200) and runs Triton's bundled ``ptxas -v`` on
+the PTX: shared memory per block, registers per thread and bytes spilled. Spills and shared memory over the
+device's limit (227 KB on Hopper) are what made the first pinv kernel 20× slower than it should have been.
+
+    .venv/bin/python bench/triton_compile_report.py            # CPU machine: no GPU needed
+    .venv/bin/python bench/triton_compile_report.py --arch 80  # A100
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from nystromformer.attention import nystrom_triton as nt  # noqa: E402
+
+I64, I32 = "i64", "i32"
+
+
+def strides(*names):
+    return {n: I64 for n in names}
+
+
+def configs(dt: str, prec: str, wide: bool):
+    """(label, kernel, signature, constexprs, warps) as launched by nystrom_triton for dtype dt."""
+    p = f"*{dt}"
+    lq = dict(QL=p, K=p, **strides("skb", "skh", "skn", "skd"), V=p, **strides("svb", "svh", "svn", "svd"), BIAS=p)
+    lk = dict(Q=p, **strides("sqb", "sqh", "sqn", "sqd"), KEEP=p, KL=p, ZW=p)
+    dims = dict(H=I32, N=I32, M=I32, D=I32, scale="fp32")
+    f64 = dict(IS_F64=False)
+    yield ("pinv forward", nt._pinv_fwd_kernel, dict(A="*fp32", Z0="*fp32", Z="*fp32", m=I32),
+           dict(ITERS=6, BLOCK=64, PREC=prec), nt.PINV_WARPS_64[prec][0])
+    yield ("pinv backward", nt._pinv_bwd_kernel,
+           dict(A="*fp32", Z0="*fp32", G="*fp32", DA="*fp32", DZ0="*fp32", ZS="*fp32", m=I32),
+           dict(ITERS=6, BLOCK=64, PREC=prec), nt.PINV_WARPS_64[prec][1])
+    yield ("segment means", nt._segmeans_kernel,
+           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, OUT=p, H=I32, N=I32, M=I32, D=I32),
+           dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False), 4)
+    yield ("segment means backward", nt._segmeans_bwd_kernel,
+           dict(G=p, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"), GX=p, **strides("sxb", "sxh", "sxn", "sxd"),
+                H=I32, N=I32, M=I32, D=I32),
+           dict(HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
+    yield ("conv + residual", nt._dwconv_kernel,
+           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p, **strides("srb", "srh", "srn", "srd"),
+                OUT=p, **strides("sob", "soh", "son", "sod"), H=I32, N=I32, D=I32),
+           dict(KS=33, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64, TILES=8,
+                PREC=prec), 8)
+    yield ("conv weight gradient", nt._dwconv_wgrad_kernel,
+           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, PART="*fp32", H=I32, N=I32, D=I32),
+           dict(KS=33, BLOCK_N=64, BLOCK_D=64, IS_F64=False), 4)
+    yield ("pass 1 forward", nt._lq_fwd_kernel, dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", **dims),
+           dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+    yield ("pass 1 backward", nt._lq_bwd_kernel,
+           dict(**lq, DW=p, LSE="*fp32", DELTA="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
+                **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", **dims),
+           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+    yield ("pass 2 forward", nt._lk_fwd_kernel, dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), **dims),
+           dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec), 8)
+    yield ("pass 2 backward", nt._lk_bwd_kernel,
+           dict(**lk, DO=p, **strides("sdb", "sdh", "sdn", "sdd"), DQ=p, **strides("sgb", "sgh", "sgn", "sgd"),
+                DKL_P="*fp32", DZW_P="*fp32", **dims),
+           dict(BLOCK_N=32 if wide else 64, BLOCK_M=64, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+
+
+def report(kernel, signature, constexprs, warps, arch):
+    for name, value in constexprs.items():
+        signature[name] = "constexpr"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    target = re.search(r"^\.target\s+(\w+)", compiled.asm["ptx"], re.M).group(1)  # Triton emits sm_90a on Hopper
+    out = subprocess.run([ptxas, f"-arch={target}", "-v", f.name, "-o", os.devnull], capture_output=True,
+                         text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return compiled.metadata.shared, int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90 = H100/H200, 80 = A100)")
+    args = ap.parse_args(argv)
+    print(f"# Triton {triton.__version__} kernels compiled for sm_{args.arch} (head_dim 64, 64 landmarks, conv 33)")
+    print("| kernel | dtype | warps | shared KB | registers | spill bytes |")
+    print("|---|---|---|---|---|---|")
+    for dt, prec, wide in (("bf16", "tf32", False), ("fp32", "tf32x3", True)):
+        for label, kernel, sig, consts, warps in configs(dt, prec, wide):
+            try:
+                shared, regs, spill = report(kernel, dict(sig), dict(consts), warps, args.arch)
+                print(f"| {label} | {dt} | {warps} | {shared / 1024:.1f} | {regs} | {spill} |")
+            except Exception as exc:  # a configuration that does not compile is a finding, not a crash
+                print(f"| {label} | {dt} | {warps} | failed: {type(exc).__name__}: {str(exc)[:80]} | | |")
+
+
+if __name__ == "__main__":
+    main()
