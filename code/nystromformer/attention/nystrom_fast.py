@@ -65,8 +65,10 @@ def _triton_default(x: torch.Tensor) -> bool:
     from . import nystrom_triton
     if not nystrom_triton.available():
         return False
+    if not x.is_cuda:
+        return interpret
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return interpret or nystrom_triton.fits_device(index, x.element_size())
+    return nystrom_triton.fits_device(index, x.element_size())
 
 
 def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch.Tensor:
