@@ -59,6 +59,10 @@ def configs(dt: str, prec: str, wide: bool):
     yield ("conv weight gradient", nt._dwconv_wgrad_kernel,
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, BLOCK_D=64, IS_F64=False), 4)
+    yield ("conv weight gradient (diagonals)", nt._dwconv_wgrad_mm_kernel,
+           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
+                PART="*fp32", H=I32, N=I32, D=I32),
+           dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
     yield ("pass 1 forward", nt._lq_fwd_kernel, dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", **dims),
            dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
     yield ("pass 1 backward", nt._lq_bwd_kernel,

@@ -460,3 +460,16 @@ def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
             shared, regs, spill = report.report(kernel, dict(sig), dict(consts), warps, 90)
             assert shared <= need <= 227 * 1024, (label, dt, shared)   # H100/H200: 227 KB per block
             assert regs is not None and regs <= 255, (label, dt, regs)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,ks", [(67, 5), (700, 33), (130, 35)])
+def test_interp_conv_weight_gradient_by_diagonals_is_the_conv2d_weight_gradient(n, ks):
+    from nystromformer.attention import nystrom_triton
+    att = layer(8, ks)
+    (v, _, _), mask = inputs(2, n, pad=(0, 7), seed=ks)
+    keep = mask.double()
+    out = att.conv(v * keep[:, None, :, None])
+    g = torch.randn_like(out)
+    ref = torch.autograd.grad(out, att.conv.weight, g)[0]
+    assert rel(nystrom_triton.conv_weight_grad_mm(v.detach(), keep, g, att.conv.weight.shape), ref) < FP64_TOL

@@ -248,5 +248,5 @@ class _TritonNystrom(torch.autograd.Function):
                 taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
                 dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v)
         if conv_weight is not None and need_w:
-            dw = nt.conv_weight_grad(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
+            dw = nt.conv_weight_grad_mm(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
         return dq, dk, dv, dw, None, None, None

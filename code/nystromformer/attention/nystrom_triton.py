@@ -130,6 +130,38 @@ if triton is not None:
         tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
+    def _dwconv_wgrad_mm_kernel(X, sxb, sxh, sxn, sxd, KEEP, G, sgb, sgh, sgn, sgd, PART, H, N, D, KS: tl.constexpr,
+                                BLOCK_N: tl.constexpr, WIN: tl.constexpr, BLOCK_T: tl.constexpr,
+                                BLOCK_D: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr,
+                                IS_F64: tl.constexpr):
+        # PART[bh, prog, t] = sum over TILES row tiles of sum_i G[i,:] · keep[i+t-KS//2] X[i+t-KS//2,:]: per tile
+        # one product M = G_tile · X_windowᵀ (BLOCK_N × WIN) on the tensor cores, then the tap-t sum is the sum of
+        # M's t-th diagonal, M[i, i + t], gathered — instead of KS shifted loads and reductions.
+        bh, b, h = _batch_head(H)
+        pad = KS // 2
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols[None, :] < D
+        diagonal = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_T)[None, :]
+        if IS_F64:
+            acc = tl.zeros([BLOCK_T], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for tile in range(TILES):
+            row0 = (tl.program_id(1) * TILES + tile) * BLOCK_N
+            rows = row0 + tl.arange(0, BLOCK_N)
+            g = tl.load(G + b * sgb + h * sgh + rows[:, None].to(tl.int64) * sgn + cols[None, :] * sgd,
+                        mask=(rows[:, None] < N) & cmask, other=0.0)
+            src = row0 - pad + tl.arange(0, WIN)
+            valid = (src >= 0) & (src < N)
+            x = tl.load(X + b * sxb + h * sxh + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                        mask=valid[:, None] & cmask, other=0.0)
+            x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+            m = tl.dot(g, tl.trans(x.to(g.dtype)), input_precision=PREC)
+            acc += tl.sum(tl.gather(m, diagonal, axis=1), axis=0).to(acc.dtype)
+        tl.store(PART + (bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_T
+                 + tl.arange(0, BLOCK_T), acc)
+
+    @triton.jit
     def _batch_head(H):
         # The program's (batch·head) row and its batch and head indices (64-bit: they scale big offsets).
         bh = tl.program_id(0)
@@ -687,6 +719,24 @@ def conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weigh
     _dwconv_wgrad_kernel[(b * h, nblk)](v, *v.stride(), keep, g, part, h, n, d, KS=ks, BLOCK_N=block_n,
                                         BLOCK_D=triton.next_power_of_2(d), IS_F64=acc == torch.float64)
     return part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).reshape(weight_shape)
+
+
+def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weight_shape) -> torch.Tensor:
+    """``conv_weight_grad`` with one tensor-core product per 64-row tile and a diagonal gather (used by the
+    ``NYSTROM_TRITON=all`` path until a GPU run has timed it against the shifted-load kernel)."""
+    b, h, n, d = v.shape
+    ks = weight_shape[2]
+    block_n = 64
+    tiles = min(8, triton.cdiv(n, block_n))
+    nprog = triton.cdiv(n, block_n * tiles)
+    block_t = triton.next_power_of_2(ks)
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
+    _dwconv_wgrad_mm_kernel[(b * h, nprog)](
+        v, *v.stride(), keep, g, *g.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
+        WIN=triton.next_power_of_2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
+    return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
 
 def conv_taps(weight: torch.Tensor) -> torch.Tensor:
