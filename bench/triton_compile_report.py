@@ -52,8 +52,9 @@ def configs(dt: str, prec: str, wide: bool):
                 H=I32, N=I32, M=I32, D=I32),
            dict(HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
     yield ("conv + residual", nt._dwconv_kernel,
-           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p, **strides("srb", "srh", "srn", "srd"),
-                OUT=p, **strides("sob", "soh", "son", "sod"), H=I32, N=I32, D=I32),
+           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
+                **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
+                H=I32, N=I32, D=I32),
            dict(KS=33, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64, TILES=8,
                 PREC=prec), 8)
     yield ("conv weight gradient", nt._dwconv_wgrad_kernel,

@@ -400,7 +400,7 @@ def test_interp_landmark_keys_kernel_is_sdpa_over_masked_queries(n, m, dtype):
 def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
     from nystromformer.attention import nystrom_triton
     g = torch.Generator().manual_seed(n)
-    k, v = _random(3, n, 2, 16, dtype=dtype, g=g, transposed=True), _random(3, n, 2, 16, dtype=dtype, g=g, transposed=True)
+    k, v = (_random(3, n, 2, 16, dtype=dtype, g=g, transposed=True) for _ in range(2))
     q_land = _random(3, 2, m, 16, dtype=dtype, g=g)
     keep = torch.ones(3, n, dtype=dtype)
     keep[0, n - 11:] = 0

@@ -66,7 +66,7 @@ def _triton_default(x: torch.Tensor) -> bool:
     if not nystrom_triton.available():
         return False
     if not x.is_cuda:
-        return interpret
+        return True  # the interpreter runs the kernels on CPU tensors
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return nystrom_triton.fits_device(index, x.element_size())
 
@@ -113,8 +113,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     products: "auto" = "tf32" for 16-bit inputs (its ~1e-3 error is below bf16's; checked by emulation in
     docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
     ``fused_backward`` (Triton only; default: ``NYSTROM_TRITON=all``): in training, run the layer as one autograd
-    node (``_TritonNystrom``). Never under activation checkpointing: the node keeps its inner graph outside the saved-tensor hooks that
-    checkpointing relies on, so checkpointing would recompute it twice and free nothing.
+    node (``_TritonNystrom``). Never under activation checkpointing: the node keeps its inner graph outside the
+    saved-tensor hooks that checkpointing relies on, so checkpointing would recompute it twice and free nothing.
     """
     b, h, n, d = q.shape
     if use_triton is None:
@@ -163,8 +163,8 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
                         pinv_precision):
     """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
 
-    With ``attention_kernels`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all keys)
-    ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
+    With ``attention_kernels`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all
+    keys) ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
     ``landmark_keys_attention``, which masks Q itself and spreads the n-long reductions of its backward over
     many programs. Otherwise both are SDPA (pass 2 on the masked Q)."""
     dtype = q.dtype

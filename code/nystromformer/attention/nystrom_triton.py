@@ -66,6 +66,7 @@ def fits_device(index: int, element_size: int = 2) -> bool:
 
 
 def _block(m: int) -> int:
+    """A tile side for m rows or columns: a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(m))
 
 
@@ -524,7 +525,7 @@ class _LandmarkQueriesAttention(torch.autograd.Function):
         acc_t = torch.float64 if q_land.dtype == torch.float64 else torch.float32
         # 8 warps, 64 (fp32: 32) keys per block: no spills (ptxas, sm_90)
         consts = dict(BLOCK_M=_block(m), BLOCK_K=64 if q_land.element_size() <= 2 else 32,
-                      BLOCK_D=max(16, triton.next_power_of_2(d)), PREC=_dot_precision(q_land.dtype),
+                      BLOCK_D=_block(d), PREC=_dot_precision(q_land.dtype),
                       IS_F64=acc_t == torch.float64)
         tiles = min(8, triton.cdiv(n, consts["BLOCK_K"]))
         nprog = triton.cdiv(n, consts["BLOCK_K"] * tiles)
@@ -587,7 +588,7 @@ class _LandmarkKeysAttention(torch.autograd.Function):
         k_land, zw = k_land.contiguous(), zw.contiguous()
         out = torch.empty_like(q)
         block_n = 64
-        consts = dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        consts = dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=_block(d),
                       PREC=_dot_precision(q.dtype))
         # 8 warps: no spills at bf16 or fp32 (ptxas, sm_90; 4 warps need 239 registers)
         _lk_fwd_kernel[(b * h, triton.cdiv(n, block_n))](q, *q.stride(), keep, k_land, zw, out, *out.stride(),
@@ -702,7 +703,7 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None):
     _dwconv_kernel[(b * h, triton.cdiv(n, block_n * tiles))](
         x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks,
         IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
-        WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=max(16, triton.next_power_of_2(d)), TILES=tiles,
+        WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=_block(d), TILES=tiles,
         PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
     return out
 
@@ -734,7 +735,7 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
     _dwconv_wgrad_mm_kernel[(b * h, nprog)](
         v, *v.stride(), keep, g, *g.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
-        WIN=triton.next_power_of_2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        WIN=triton.next_power_of_2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
         TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
     return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
