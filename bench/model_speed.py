@@ -8,8 +8,14 @@ on CUDA, unpadded full-length batches of random tokens. Models (same size, Model
   nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
   softmax               our model, attn_type softmax (SDPA)
   hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
+  hf-roberta            transformers.RobertaForMaskedLM with SDPA, same size: the softmax baseline issue #6 quotes
+                        (its LM head runs over every position, ours over the masked ones only)
 
-Prints one Markdown table (tokens/s, ratios to softmax and to transformers, peak MiB).
+Batches have no padding, so — as pretraining does since the mask-free path — no attention mask is passed
+(attention_mask=None: no mask multiplies, SDPA free to use FlashAttention); ``--padding-mask`` passes an all-ones
+mask instead, the setting of the first H100 figures in docs/performance.md.
+
+Prints one Markdown table (tokens/s, ratios to softmax, to transformers' Nyströmformer and Roberta, peak MiB).
 
     python bench/model_speed.py --seq-len 512 --batch 32
     python bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax
@@ -32,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
 
-MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer"]
+MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta"]
+HF_MODELS = ("hf-nystromformer", "hf-roberta")
 
 
 def build(name, cfg, device):
@@ -41,17 +48,26 @@ def build(name, cfg, device):
         ours = NystromformerForMaskedLM(cfg)
         model = build_hf_model(cfg, ours.state_dict()).train()
         return model.to(device), True
+    if name == "hf-roberta":
+        import transformers
+        rc = transformers.RobertaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.transformer_dim, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_head, intermediate_size=cfg.transformer_hidden_dim,
+            max_position_embeddings=cfg.max_seq_len + 2, type_vocab_size=cfg.num_sen_type,
+            layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id, attn_implementation="sdpa")
+        return transformers.RobertaForMaskedLM(rc).to(device).train(), True
     c = replace(cfg, attn_type="softmax") if name == "softmax" else cfg
     return NystromformerForMaskedLM(c).to(device).train(), False
 
 
-def batch(cfg, b, n, device, seed=0):
+def batch(cfg, b, n, device, seed=0, padding_mask=False):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(5, cfg.vocab_size, (b, n), generator=g)
     labels = torch.full_like(ids, -100)
     sel = torch.rand(b, n, generator=g) < 0.15
     labels[sel] = ids[sel]
-    return ids.to(device), labels.to(device), torch.ones(b, n, dtype=torch.long, device=device)
+    mask = torch.ones(b, n, dtype=torch.long, device=device) if padding_mask else None
+    return ids.to(device), labels.to(device), mask
 
 
 def step_fn(model, is_hf, opt, device, amp):
@@ -88,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--attention-fp32", default="true", choices=["true", "false"])
     ap.add_argument("--compile", action="store_true", help="torch.compile our models")
+    ap.add_argument("--padding-mask", action="store_true",
+                    help="pass an all-ones attention mask (the first H100 run's setting) instead of None")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kernels", nargs="*", default=[], metavar="MODEL",
@@ -115,7 +133,8 @@ def main(argv=None):
         if args.compile and not is_hf:
             model = torch.compile(model)
         step = step_fn(model, is_hf, opt, device, amp)
-        data = [batch(cfg, args.batch, args.seq_len, device, seed=i) for i in range(2)]
+        data = [batch(cfg, args.batch, args.seq_len, device, seed=i, padding_mask=args.padding_mask)
+                for i in range(2)]
         try:
             for i in range(args.warmup):
                 step(*data[i % 2])
@@ -142,15 +161,16 @@ def main(argv=None):
     os.environ.pop("NYSTROM_TRITON", None)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
-          f"attention_fp32={args.attention_fp32}, compile={args.compile}, device={dev}, torch {torch.__version__}")
+          f"attention_fp32={args.attention_fp32}, compile={args.compile}, padding_mask={args.padding_mask}, "
+          f"device={dev}, torch {torch.__version__}")
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-    soft = rows.get("softmax", (None,))[0]
-    hf = rows.get("hf-nystromformer", (None,))[0]
-    print("| model | tokens/s | × softmax | × transformers | peak MiB |")
-    print("|---|---|---|---|---|")
+    ratio = lambda a, b: fmt(a / b if a and b else None, ".2f")  # noqa: E731
+    soft, hf, roberta = (rows.get(name, (None,))[0] for name in ("softmax", "hf-nystromformer", "hf-roberta"))
+    print("| model | tokens/s | × softmax | × transformers Nyströmformer | × transformers Roberta | peak MiB |")
+    print("|---|---|---|---|---|---|")
     for name, (tps, peak) in rows.items():
-        print(f"| {name} | {fmt(tps, '.0f')} | {fmt(tps / soft if tps and soft else None, '.2f')} | "
-              f"{fmt(tps / hf if tps and hf else None, '.2f')} | {fmt(peak, '.0f')} |")
+        print(f"| {name} | {fmt(tps, '.0f')} | {ratio(tps, soft)} | {ratio(tps, hf)} | {ratio(tps, roberta)} | "
+              f"{fmt(peak, '.0f')} |")
     for name, table in breakdowns.items():
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nystromformer.config import config_from_dict
+from nystromformer.config import ATTENTION_TYPES, config_from_dict
+from nystromformer.mlm import padding_mask
 from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM,
                                  NystromformerForSequenceClassification)
 
@@ -45,6 +46,27 @@ def test_softmax_model_outputs_for_real_tokens_ignore_padding():
     padded = torch.cat([ids, torch.ones(1, 12, dtype=torch.long)], dim=1)
     mask = torch.cat([torch.ones(1, 20), torch.zeros(1, 12)], dim=1).long()
     assert torch.allclose(model(ids), model(padded, attention_mask=mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("attn_type", sorted(ATTENTION_TYPES))
+def test_no_attention_mask_means_no_padding_for_every_attention(attn_type):
+    # Pretraining passes attention_mask=None for full-length rows; it must be the all-ones mask exactly.
+    extra = dict(num_global_tokens=1, block_size=4, window_size=4, linformer_k=8, reformer_bucket_size=4,
+                 bigbird_num_random_blocks=1, bigbird_num_global_blocks=1, performer_num_features=16)
+    torch.manual_seed(4)
+    model = NystromformerForMaskedLM(model_config(attn_type=attn_type, **extra)).double().eval()
+    ids = torch.randint(5, 64, (2, 32))
+    outs = []
+    for mask in (None, torch.ones(2, 32, dtype=torch.long)):
+        torch.manual_seed(5)  # reformer's hashing and performer's features draw at forward time
+        outs.append(model.logits(ids, attention_mask=mask))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+
+
+def test_pretraining_passes_no_mask_for_rows_without_padding():
+    assert padding_mask(torch.tensor([[5, 6, 7], [8, 9, 10]]), pad_id=1) is None
+    mask = padding_mask(torch.tensor([[5, 6, 7], [8, 1, 1]]), pad_id=1)
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]] and mask.dtype == torch.long
 
 
 @pytest.mark.parametrize("attn_type", ["softmax", "nystrom"])

@@ -55,11 +55,12 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def compare(att, qkv, mask, use_triton, tol):
+def compare(att, qkv, mask, use_triton, tol, fast_mask="same"):
+    """The fast path (given ``fast_mask``: by default the same mask) against the reference with ``mask``."""
     q, k, v = qkv
     params = [q, k, v] + ([att.conv.weight] if att.conv is not None else [])
     ref = att.reference_forward(q, k, v, mask)
-    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=att.num_landmarks,
+    out = nystrom_fast.forward(q, k, v, mask if fast_mask == "same" else fast_mask, num_landmarks=att.num_landmarks,
                                pinv_iterations=att.pinv_iterations, init=att.init_option,
                                conv_weight=None if att.conv is None else att.conv.weight, use_triton=use_triton)
     assert out.shape == ref.shape and torch.isfinite(out).all()
@@ -105,6 +106,50 @@ def test_all_padding_row_stays_finite_and_matches():
     att = layer(8, 5)
     qkv, mask = inputs(2, 40, pad=(0, 40), seed=5)
     compare(att, qkv, mask, use_triton=False, tol=FP64_TOL)
+
+
+# Without padding the model passes mask=None (pretraining's full-length rows): no mask multiplies, no key bias.
+NO_PADDING_CASES = [(64, 8, 5, "original"), (67, 8, 33, "exact"), (40, 64, 3, "original")]
+
+
+@pytest.mark.parametrize("n,m,conv,init", NO_PADDING_CASES)
+def test_mask_none_is_the_all_ones_mask(n, m, conv, init):
+    att = layer(m, conv, init)
+    qkv, ones = inputs(2, n, seed=n)
+    compare(att, qkv, ones, use_triton=False, tol=FP64_TOL, fast_mask=None)
+    assert rel(att.reference_forward(*qkv, None), att.reference_forward(*qkv, ones)) == 0
+
+
+def sequence_sized_bytes_saved(fn, n):
+    """Bytes of the distinct storages of n·d elements or more that autograd saves for backward while running fn."""
+    saved = {}
+
+    def pack(t):
+        if t.numel() >= n * D:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(saved.values())
+
+
+def saved_compared_to_sdpa(use_triton, mask_kind):
+    """Sequence-sized bytes the layer saves for backward, in units of what SDPA saves (q, k, v and its output)."""
+    n = 256
+    att = layer(16, 33, dtype=torch.float32)
+    x = torch.randn(2, n, 3, H, D).requires_grad_()       # one qkv projection, split into views as in the model
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    mask = None if mask_kind == "none" else torch.ones(2, n)
+    nystrom = sequence_sized_bytes_saved(lambda: nystrom_fast.forward(
+        q, k, v, mask, num_landmarks=16, conv_weight=att.conv.weight, use_triton=use_triton), n)
+    sdpa = sequence_sized_bytes_saved(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), n)
+    return nystrom / sdpa
+
+
+def test_without_padding_the_pytorch_path_saves_one_tensor_more_than_sdpa():
+    # The grouped conv1d keeps its permuted copy of V; with a mask, pass 2 also keeps the masked copy of Q.
+    assert saved_compared_to_sdpa(False, "none") == pytest.approx(5 / 4)
+    assert saved_compared_to_sdpa(False, "ones") == pytest.approx(6 / 4)
 
 
 def test_sdpa_default_scale_with_unscaled_landmarks_equals_scaled_landmarks():
@@ -236,6 +281,23 @@ def test_interp_whole_fast_path_with_triton(n, m, conv, init, pad):
     att = layer(m, conv, init)
     qkv, mask = inputs(2, n, pad=pad, seed=n + m)
     compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,m,conv,init", NO_PADDING_CASES)
+def test_interp_mask_none_is_the_all_ones_mask_with_triton(n, m, conv, init):
+    att = layer(m, conv, init)
+    qkv, ones = inputs(2, n, seed=n)
+    compare(att, qkv, ones, use_triton=True, tol=FP64_TOL, fast_mask=None)
+
+
+@needs_interpreter
+def test_interp_without_padding_the_kernels_save_no_more_than_sdpa_for_backward():
+    # Kernel path: q, k, v and pass 2's output as SDPA (NYSTROM_TRITON=1), or q, k, v only (=all, which recomputes
+    # in its one-node backward). A mask costs pass 2's masked copy of Q in the first mode.
+    fused = os.environ.get("NYSTROM_TRITON") == "all"
+    assert saved_compared_to_sdpa(True, "none") == pytest.approx(3 / 4 if fused else 1)
+    assert saved_compared_to_sdpa(True, "ones") == pytest.approx(3 / 4 if fused else 5 / 4)
 
 
 # ---------------------------------------------------------------------------------------- GPU

@@ -64,7 +64,7 @@ class MultiHeadAttention(nn.Module):
                 return self.attn(q.float(), k.float(), v.float(), mask).to(q.dtype)
         return self.attn(q, k, v, mask)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
         split = lambda t: t.view(b, n, self.num_head, self.head_dim).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
@@ -102,7 +102,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout_prob)
         self.pre_layer_norm = cfg.pre_layer_norm
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         if self.pre_layer_norm:
             x = x + self.dropout(self.attention(self.norm1(x), mask))
             return x + self.dropout(self.ffn(self.norm2(x)))
@@ -125,8 +125,7 @@ class Encoder(nn.Module):
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_seq_len "
                              f"{self.config.max_seq_len}")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        # attention_mask None = no padding: the attention variants skip the masking work (see attention/__init__).
         x = self.embeddings(input_ids, token_type_ids)
         if self.embedding_projection is not None:
             x = self.embedding_projection(x)

@@ -27,7 +27,8 @@ from . import checkpoint
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .jsonlog import JsonLog
-from .mlm import STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate, generator, mask_tokens, micro_batches
+from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate, generator, mask_tokens,
+                  micro_batches, padding_mask)
 from .model import NystromformerForMaskedLM
 from .shards import ShardedSequences, ShardError
 
@@ -247,8 +248,11 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
             inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, step), ps.mask_prob, special, vocab_size)
             total_masked = max(int((labels != -100).sum()), 1)
             mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
-            inputs, labels = inputs[mine].to(rt.device), labels[mine].to(rt.device)
-            attention_mask = (inputs != special["pad"]).long()
+            inputs, labels = inputs[mine], labels[mine]
+            attention_mask = padding_mask(inputs, special["pad"])  # None for full-length rows (no padding)
+            inputs, labels = inputs.to(rt.device), labels.to(rt.device)
+            if attention_mask is not None:
+                attention_mask = attention_mask.to(rt.device)
             torch.manual_seed(derived_seed(ps.seed, STREAM_DROPOUT, step, rt.rank))
 
             totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, correct
@@ -258,7 +262,8 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
                 ctx = ddp_model.no_sync() if not sync else contextlib.nullcontext()
                 with ctx, torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
                                          enabled=rt.autocast_dtype is not None):
-                    out = ddp_model(inputs[chunk], labels[chunk], attention_mask=attention_mask[chunk])
+                    out = ddp_model(inputs[chunk], labels[chunk],
+                                    attention_mask=None if attention_mask is None else attention_mask[chunk])
                     # Normalise by the global masked count: the gradient is that of the mean over the whole
                     # batch however it is split (DDP averages over ranks, hence the world_size factor).
                     loss = out.loss_sum * (rt.world_size / total_masked)

@@ -2,13 +2,15 @@
 
 Every variant is an ``nn.Module`` built from the model config with ``forward(q, k, v, mask)``:
 ``q, k, v`` are ``(batch, heads, seq_len, head_dim)``, ``mask`` is ``(batch, seq_len)`` with 1 for real
-tokens and 0 for padding, and the result has the shape of ``v``. Scaling by 1/sqrt(head_dim) is the
+tokens and 0 for padding, or None when no row has padding (pretraining's full-length rows: variants that can,
+skip the masking work; the others call ``key_padding_mask``), and the result has the shape of ``v``. Scaling by 1/sqrt(head_dim) is the
 variant's job. Variants register themselves by ``attn_type`` name.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
+import torch
 import torch.nn as nn
 
 ATTENTION_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
@@ -19,6 +21,13 @@ def register(name: str):
         ATTENTION_REGISTRY[name] = cls
         return cls
     return wrap
+
+
+def key_padding_mask(mask: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """The (batch, seq_len) mask, all ones when ``mask`` is None (no padding)."""
+    if mask is not None:
+        return mask
+    return torch.ones(q.shape[0], q.shape[-2], dtype=q.dtype, device=q.device)
 
 
 def build_attention(model_config) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import register
+from . import key_padding_mask, register
 
 
 @register("bigbird")
@@ -62,6 +62,7 @@ class BigBirdAttention(nn.Module):
         return self._cache[key]
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         b, h, n, d = q.shape
         bs = self.block_size
         scale = self.head_dim ** -0.5

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import register
+from . import key_padding_mask, register
 
 EPS = 1e-6
 
@@ -30,5 +30,6 @@ class LinearAttention(nn.Module):
         super().__init__()
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         keep = mask[:, None, :, None].to(q.dtype)
         return linear_attention(F.elu(q) + 1, (F.elu(k) + 1) * keep, v)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import register
+from . import key_padding_mask, register
 
 
 class SequenceProjections(nn.Module):
@@ -48,6 +48,7 @@ class LinformerAttention(nn.Module):
         self.proj = SequenceProjections(config)
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         keep = mask[:, None, :, None].to(q.dtype)
         k_proj, v_proj = self.proj(k * keep, v * keep)
         scores = q @ k_proj.transpose(-1, -2) * self.head_dim ** -0.5

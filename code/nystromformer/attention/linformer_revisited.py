@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import register
+from . import key_padding_mask, register
 from .linformer import SequenceProjections
 
 
@@ -30,6 +30,7 @@ class RevisitedLinformerAttention(nn.Module):
         self.proj = SequenceProjections(config)
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         keep = mask[:, None, :, None].to(q.dtype)
         scale = self.head_dim ** -0.25
         k_proj, v_proj = self.proj(k * keep, v * keep)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import register
+from . import key_padding_mask, register
 
 
 def _pad_seq(x: torch.Tensor, total: int) -> torch.Tensor:
@@ -31,6 +31,7 @@ class LongformerAttention(nn.Module):
         self.num_global_tokens = config.num_global_tokens
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         b, h, n, d = q.shape
         scale = self.head_dim ** -0.5
         neg = torch.finfo(q.dtype).min

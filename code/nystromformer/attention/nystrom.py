@@ -13,11 +13,12 @@ length. When ``num_landmarks >= seq_len`` the layer computes exact softmax atten
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from . import register
+from . import key_padding_mask, register
 
 
 def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
@@ -101,7 +102,8 @@ class NystromAttention(nn.Module):
             self.conv = nn.Conv2d(config.num_head, config.num_head, kernel_size=(k, 1), padding=(k // 2, 0),
                                   bias=False, groups=config.num_head)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
         if use_fast_path(q, self.impl):
             from . import nystrom_fast
             return nystrom_fast.forward(q, k, v, mask, num_landmarks=self.num_landmarks,
@@ -111,9 +113,10 @@ class NystromAttention(nn.Module):
         return self.reference_forward(q, k, v, mask)
 
     def reference_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor) -> torch.Tensor:
+                          mask: Optional[torch.Tensor]) -> torch.Tensor:
         """The authors' formulation: the oracle for the fast path, and the CPU path."""
         n = q.shape[-2]
+        mask = key_padding_mask(mask, q)
         keep = mask[:, None, :, None].to(q.dtype)
         scale = self.head_dim ** -0.25
         q = q * keep * scale

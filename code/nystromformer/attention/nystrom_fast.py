@@ -102,11 +102,13 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(b, d, h, n).permute(0, 2, 3, 1)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, num_landmarks: int,
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *, num_landmarks: int,
             pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
             use_triton: Optional[bool] = None, pinv_precision: str = "auto",
             fused_backward: Optional[bool] = None) -> torch.Tensor:
-    """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding).
+    """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding), or
+    ``mask=None`` for rows without padding (pretraining's full-length rows): then no mask multiplies, no key
+    bias, and SDPA may pick FlashAttention — the same function as an all-ones mask, one Q-sized copy fewer.
 
     ``conv_weight`` is the reference's Conv2d weight (h, 1, k, 1) or None. ``use_triton`` defaults to
     Triton on CUDA when importable. ``pinv_precision`` is Triton's ``input_precision`` for the pinv kernel's
@@ -124,39 +126,48 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if pinv_precision == "auto":
         pinv_precision = "tf32" if q.element_size() <= 2 else "tf32x3"
     dtype = q.dtype
-    keep = mask.to(dtype)
-    keep4 = keep[:, None, :, None]
-    # The reference's additive key bias. A row with no token at all gets no bias: its (zeroed) queries then score
-    # 0 on every key, which is the reference's uniform row — but with a log-sum-exp that SDPA's backward can use
-    # (min + log n rounds to min, which would make every probability 1 in the backward).
-    has_token = keep.amax(dim=-1, keepdim=True)
-    bias = (1.0 - keep) * has_token * torch.finfo(dtype).min                   # (b, n), added to key scores
+    keep = bias = None  # no padding: nothing to mask
+    if mask is not None:
+        keep = mask.to(dtype)
+        # The reference's additive key bias. A row with no token at all gets no bias: its (zeroed) queries then
+        # score 0 on every key, which is the reference's uniform row — but with a log-sum-exp that SDPA's backward
+        # can use (min + log n rounds to min, which would make every probability 1 in the backward).
+        has_token = keep.amax(dim=-1, keepdim=True)
+        bias = (1.0 - keep) * has_token * torch.finfo(dtype).min               # (b, n), added to key scores
+    masked = (lambda t: t) if keep is None else (lambda t: t * keep[:, None, :, None])  # noqa: E731
+    # The kernels read a (b, n) keep vector whether or not there is padding (b·n bytes: nothing to save).
+    kernel_keep = (keep if keep is not None else q.new_ones(b, n)) if use_triton else None
     attention_kernels = use_triton and triton_mode() == "all"
     if fused_backward is None:
         fused_backward = attention_kernels
     landmark_args = (keep, bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
 
     if num_landmarks >= n:
-        out = F.scaled_dot_product_attention(q * keep4, k * keep4, v, attn_mask=bias[:, None, None, :])
+        out = F.scaled_dot_product_attention(masked(q), masked(k), v, attn_mask=_key_bias(bias))
     elif use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
-        return _TritonNystrom.apply(q, k, v, conv_weight, keep, num_landmarks, landmark_args)
+        return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, num_landmarks, landmark_args)
     else:
         if use_triton:
             from .nystrom_triton import segment_means_masked
-            q_land = segment_means_masked(q, keep, num_landmarks)
-            k_land = segment_means_masked(k, keep, num_landmarks)
+            q_land = segment_means_masked(q, kernel_keep, num_landmarks)
+            k_land = segment_means_masked(k, kernel_keep, num_landmarks)
         else:
-            q_land = segment_means(q * keep4, num_landmarks)
-            k_land = segment_means(k * keep4, num_landmarks)
+            q_land = segment_means(masked(q), num_landmarks)
+            k_land = segment_means(masked(k), num_landmarks)
         out = _landmark_attention(q, k, v, q_land, k_land, *landmark_args)
 
     if conv_weight is not None:
         if use_triton:
             from .nystrom_triton import conv_add
-            return conv_add(v, keep, conv_weight, out)
-        out = out + depthwise_conv(v * keep4, conv_weight)
+            return conv_add(v, kernel_keep, conv_weight, out)
+        out = out + depthwise_conv(masked(v), conv_weight)
     return out
+
+
+def _key_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """SDPA's attn_mask for a (b, n) additive key bias; None (no padding) leaves SDPA free to use FlashAttention."""
+    return None if bias is None else bias[:, None, None, :]
 
 
 def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, attention_kernels, use_triton,
@@ -166,15 +177,16 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
     With ``attention_kernels`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all
     keys) ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
     ``landmark_keys_attention``, which masks Q itself and spreads the n-long reductions of its backward over
-    many programs. Otherwise both are SDPA (pass 2 on the masked Q)."""
+    many programs. Otherwise both are SDPA (pass 2 on the masked Q). ``keep`` and ``bias`` are None when there
+    is no padding."""
     dtype = q.dtype
     kernels = attention_kernels and q_land.shape[-2] <= 64  # nystrom_triton.MAX_LANDMARKS
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
     if kernels:
         from .nystrom_triton import landmark_queries_attention
-        w = landmark_queries_attention(q_land, k, v, bias)
+        w = landmark_queries_attention(q_land, k, v, bias if bias is not None else k.new_zeros(k.shape[0], k.shape[2]))
     else:
-        w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
+        w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=_key_bias(bias))
     work = torch.promote_types(dtype, torch.float32)
     # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
     with torch.autocast(q.device.type, enabled=False):
@@ -184,8 +196,8 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         zw = (z @ w.to(work)).to(dtype)
     if kernels:
         from .nystrom_triton import landmark_keys_attention
-        return landmark_keys_attention(q, keep, k_land, zw)
-    return F.scaled_dot_product_attention(q * keep[:, None, :, None], k_land, zw)
+        return landmark_keys_attention(q, keep if keep is not None else q.new_ones(q.shape[0], q.shape[2]), k_land, zw)
+    return F.scaled_dot_product_attention(q if keep is None else q * keep[:, None, :, None], k_land, zw)
 
 
 class _TritonNystrom(torch.autograd.Function):

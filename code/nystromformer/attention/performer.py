@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn as nn
 
-from . import register
+from . import key_padding_mask, register
 from .linear import linear_attention
 
 FEATURE_EPS = 1e-6
@@ -68,6 +68,7 @@ class PerformerAttention(nn.Module):
         self.forwards_since_redraw.zero_()
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         if self.training and self.redraw_interval > 0:
             if int(self.forwards_since_redraw) >= self.redraw_interval:
                 self.redraw()

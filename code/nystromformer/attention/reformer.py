@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import register
+from . import key_padding_mask, register
 
 SELF_SCORE = -1e5
 
@@ -48,6 +48,7 @@ class ReformerAttention(nn.Module):
         self.bucket_size = config.reformer_bucket_size
 
     def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         b, h, n, d = q.shape
         c = self.bucket_size
         rounds = self.num_hashes
