@@ -7,6 +7,7 @@
 #   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
+#   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
 #   bash bench/gpu_session.sh check attention model profile     # several, in order
@@ -24,7 +25,7 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 limit=${STAGE_LIMIT:-300}
-[ $# -gt 0 ] || { echo "stages: check pinv attention model profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv attention model compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -54,9 +55,19 @@ stage_model() {
     timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
       $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) >> "$d/model-512.md"
   done
-  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 \
-    --models nystrom nystrom-all softmax hf-nystromformer --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
-  grep -h -A7 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
+  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
+    hf-nystromformer hf-roberta attention-free --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
+  grep -h -A10 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
+}
+
+stage_compile() {
+  # CUDA graphs against the host-bound step (docs/performance.md); baselines uncompiled, as transformers ships them.
+  local d=$RESULTS/compile; mkdir -p "$d"
+  timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false \
+    --compile reduce-overhead --models nystrom nystrom-all softmax attention-free hf-roberta > "$d/model-512.md"
+  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --attention-fp32 false \
+    --compile reduce-overhead --models nystrom nystrom-all softmax attention-free hf-roberta > "$d/model-4096.md"
+  grep -h -A9 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 
 stage_profile() {

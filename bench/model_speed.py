@@ -10,6 +10,8 @@ on CUDA, unpadded full-length batches of random tokens. Models (same size, Model
   hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
   hf-roberta            transformers.RobertaForMaskedLM with SDPA, same size: the softmax baseline issue #6 quotes
                         (its LM head runs over every position, ours over the masked ones only)
+  attention-free        our model with the attention core replaced by "return V": not a model, the ceiling — the
+                        step time of everything but attention, which no attention variant can beat (Amdahl)
 
 Batches have no padding, so — as pretraining does since the mask-free path — no attention mask is passed
 (attention_mask=None: no mask multiplies, SDPA free to use FlashAttention); ``--padding-mask`` passes an all-ones
@@ -19,7 +21,7 @@ Prints one Markdown table (tokens/s, ratios to softmax, to transformers' Nyströ
 
     python bench/model_speed.py --seq-len 512 --batch 32
     python bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax
-    python bench/model_speed.py --attention-fp32 false --compile     # the perf configuration
+    python bench/model_speed.py --attention-fp32 false --compile reduce-overhead   # CUDA graphs
     python bench/model_speed.py --device cpu --seq-len 128 --batch 2 --layers 2 --steps 2   # smoke test
 """
 from __future__ import annotations
@@ -35,11 +37,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
-from nystromformer.config import ModelConfig  # noqa: E402
+from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
 
-MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta"]
+MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free"]
 HF_MODELS = ("hf-nystromformer", "hf-roberta")
+
+
+class _ValuesOnly(torch.nn.Module):
+    """The attention-free ceiling: the attention core returns V (projections, FFN, head and optimizer unchanged)."""
+
+    def forward(self, q, k, v, mask):
+        return v
 
 
 def build(name, cfg, device):
@@ -56,8 +65,12 @@ def build(name, cfg, device):
             max_position_embeddings=cfg.max_seq_len + 2, type_vocab_size=cfg.num_sen_type,
             layer_norm_eps=cfg.layer_norm_eps, pad_token_id=cfg.pad_token_id, attn_implementation="sdpa")
         return transformers.RobertaForMaskedLM(rc).to(device).train(), True
-    c = replace(cfg, attn_type="softmax") if name == "softmax" else cfg
-    return NystromformerForMaskedLM(c).to(device).train(), False
+    c = replace(cfg, attn_type="softmax") if name in ("softmax", "attention-free") else cfg
+    model = NystromformerForMaskedLM(c)
+    if name == "attention-free":
+        for layer in model.encoder.layers:
+            layer.attention.attn = _ValuesOnly()
+    return model.to(device).train(), False
 
 
 def batch(cfg, b, n, device, seed=0, padding_mask=False):
@@ -103,7 +116,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--attention-fp32", default="true", choices=["true", "false"])
-    ap.add_argument("--compile", action="store_true", help="torch.compile our models")
+    ap.add_argument("--compile", default="none", choices=COMPILE_MODES,
+                    help="torch.compile our models' encoders in this mode, as gpu_setting.compile does in "
+                         "pretraining (reduce-overhead = CUDA graphs)")
     ap.add_argument("--padding-mask", action="store_true",
                     help="pass an all-ones attention mask (the first H100 run's setting) instead of None")
     ap.add_argument("--warmup", type=int, default=3)
@@ -130,13 +145,14 @@ def main(argv=None):
             print(f"# {name}: skipped ({type(exc).__name__}: {exc})")
             continue
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        if args.compile and not is_hf:
-            model = torch.compile(model)
+        if args.compile != "none" and not is_hf:
+            model.encoder.compile(mode=args.compile)
         step = step_fn(model, is_hf, opt, device, amp)
         data = [batch(cfg, args.batch, args.seq_len, device, seed=i, padding_mask=args.padding_mask)
                 for i in range(2)]
         try:
-            for i in range(args.warmup):
+            # compiled: the first calls compile, record and warm up the CUDA graphs
+            for i in range(args.warmup if args.compile == "none" else max(args.warmup, 5)):
                 step(*data[i % 2])
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -368,6 +368,61 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("padded", [False, True])
+def test_interp_compiled_model_with_the_kernels_is_the_eager_model(padded):
+    # torch.compile(fullgraph=True): the kernels are opaque custom ops to dynamo (no graph break, so CUDA graphs
+    # can take the whole encoder); the one-node backward of NYSTROM_TRITON=all gives way to the per-kernel path.
+    from nystromformer.config import ModelConfig
+    from nystromformer.model import NystromformerForMaskedLM
+    cfg = ModelConfig(vocab_size=50, max_seq_len=67, embedding_dim=32, transformer_dim=32, transformer_hidden_dim=64,
+                      num_layers=2, num_head=2, head_dim=16, num_landmarks=8, conv_kernel_size=5, dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(cfg).double()
+    for module in model.modules():
+        if hasattr(module, "impl"):
+            module.impl = "fast"
+    ids = torch.randint(5, 50, (2, 67))
+    mask = torch.ones(2, 67, dtype=torch.long)
+    mask[1, 50:] = 0
+    mask = mask if padded else None
+    compiled = torch.compile(model.encoder, backend="aot_eager", fullgraph=True)
+    results = []
+    for encoder in (model.encoder, compiled):
+        hidden = encoder(ids, mask)
+        grads = torch.autograd.grad(hidden.square().sum(), list(model.encoder.parameters()))
+        results.append((hidden, grads))
+    assert rel(results[1][0], results[0][0]) < 1e-13
+    for a, b in zip(results[1][1], results[0][1]):
+        assert rel(a, b) < 1e-12
+
+
+@needs_interpreter
+def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
+    from nystromformer.attention import nystrom_triton as nt
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    keep = torch.ones(2, 40, dtype=torch.float64)
+    keep[1, 30:] = 0
+    q, k, v = (r(2, 40, 2, 16).transpose(1, 2) for _ in range(3))       # transposed views, as in the model
+    q_land, k_land, zw = r(2, 2, 8, 16), r(2, 2, 8, 16), r(2, 2, 8, 16)
+    a = torch.softmax(r(2, 2, 8, 8), -1)
+    out, lse = nt._lq_forward(q_land, k, v, keep * 0)
+    cases = {nt._pinv_forward: (a, a.transpose(-1, -2), 3, "ieee", 0),
+             nt._pinv_backward: (a, a.transpose(-1, -2).contiguous(), r(2, 2, 8, 8), 3, "ieee", 0),
+             nt._lq_forward: (q_land, k, v, keep * 0),
+             nt._lq_backward: (q_land, k, v, keep * 0, out, lse, r(2, 2, 8, 16)),
+             nt._lk_forward: (q, keep, k_land, zw),
+             nt._lk_backward: (q, keep, k_land, zw, r(2, 2, 40, 16)),
+             nt._segment_means_forward: (q, keep, 8),
+             nt._segment_means_backward: (q_land, keep, 40),
+             nt._conv_forward: (v, keep, r(2, 5), q),
+             nt._conv_input_grad: (v, keep, r(2, 5)),
+             nt._conv_weight_grad: (v, keep, q, 5)}
+    for fn, args in cases.items():
+        torch.library.opcheck(fn.op, args)
+
+
+@needs_interpreter
 def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layout(monkeypatch):
     monkeypatch.setenv("NYSTROM_TRITON", "all")
     att = layer(8, 5)
@@ -502,11 +557,11 @@ def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, 
     from nystromformer.attention import nystrom_triton
     utils = SimpleNamespace(get_device_properties=lambda index: {"max_shared_mem": shared})
     monkeypatch.setattr(nystrom_triton.triton.runtime, "driver", SimpleNamespace(active=SimpleNamespace(utils=utils)))
-    nystrom_triton.fits_device.cache_clear()
+    nystrom_triton._fits_device.cache_clear()
     try:
         assert nystrom_triton.fits_device(0, element_size) is fits
     finally:
-        nystrom_triton.fits_device.cache_clear()
+        nystrom_triton._fits_device.cache_clear()
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU target; not under the interpreter")

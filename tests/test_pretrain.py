@@ -79,6 +79,25 @@ def test_both_attention_types_pretrain(tmp_path, data, attn_type):
     assert len(losses(folder)) == 4
 
 
+def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_keys(tmp_path, data, monkeypatch):
+    # gpu_setting.compile (CUDA graphs with "reduce-overhead" on a GPU; inductor's CPU code here). One compile
+    # thread: no pool of compile workers left running beside the later tests on a 2-core machine.
+    import torch._inductor.config
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    runs = {}
+    for mode in ("none", "default"):
+        folder = model_dir(tmp_path, mode, model={"dropout_prob": 0.0}, pretraining_setting={"epoch": 1},
+                           gpu_setting={"inst_per_gpu": 8, "compile": mode})
+        assert run(folder) == 0
+        state = checkpoint.load(folder / "model" / "cp-0000.model")
+        runs[mode] = losses(folder), losses(folder, "dev"), sorted(state["model_state_dict"])
+    (eager, eager_dev, eager_keys), (compiled, compiled_dev, compiled_keys) = runs["none"], runs["default"]
+    assert compiled_keys == eager_keys
+    assert [s for s, _ in compiled] == [s for s, _ in eager]
+    assert [loss for _, loss in compiled + compiled_dev] == pytest.approx([loss for _, loss in eager + eager_dev],
+                                                                        rel=1e-4)
+
+
 @pytest.fixture
 def uninterrupted(tmp_path, data):
     folder = model_dir(tmp_path, "uninterrupted")

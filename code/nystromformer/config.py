@@ -136,13 +136,21 @@ class PretrainingConfig:
             _check(self.max_grad_norm > 0, f"{prefix}.max_grad_norm", "must be > 0 (or null to disable)")
 
 
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+
+
 @dataclass
 class GpuConfig:
     # Most sequences one device processes per micro-step; gradient accumulation makes up batch_size.
     inst_per_gpu: int = 32
+    # torch.compile the encoder: "none", or a torch.compile mode ("reduce-overhead" = CUDA graphs, against the
+    # host-bound launch rate of the Nyström layers; docs/performance.md). Off until a GPU run has timed it.
+    compile: str = "none"
 
     def validate(self, prefix: str = "gpu_setting") -> None:
         _check(self.inst_per_gpu >= 1, f"{prefix}.inst_per_gpu", f"must be >= 1, got {self.inst_per_gpu}")
+        _check(self.compile in COMPILE_MODES, f"{prefix}.compile",
+               f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 
 
 @dataclass

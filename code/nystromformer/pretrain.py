@@ -118,7 +118,7 @@ def set_rng_state(state: dict) -> None:
 RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch"},
-    "gpu_setting": {"inst_per_gpu"},
+    "gpu_setting": {"inst_per_gpu", "compile"},
 }
 
 
@@ -210,6 +210,12 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
     else:
         log.truncate_after(0)
 
+    if cfg.gpu_setting.compile != "none":
+        # In place (state_dict keys unchanged). Only the encoder: the MLM head's masked-position gather has a
+        # data-dependent shape, which would make CUDA graphs re-record every step.
+        model.encoder.compile(mode=cfg.gpu_setting.compile)
+        say(f"encoder compiled with torch.compile(mode={cfg.gpu_setting.compile!r}); the first steps include "
+            f"compilation")
     ddp_model = model
     if rt.world_size > 1:
         _check_same_step_on_every_rank(step, rt)

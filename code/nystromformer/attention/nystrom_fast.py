@@ -67,8 +67,7 @@ def _triton_default(x: torch.Tensor) -> bool:
         return False
     if not x.is_cuda:
         return True  # the interpreter runs the kernels on CPU tensors
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return nystrom_triton.fits_device(index, x.element_size())
+    return nystrom_triton.fits_device(x.device.index, x.element_size())
 
 
 def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch.Tensor:
@@ -144,8 +143,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(masked(q), masked(k), v, attn_mask=_key_bias(bias))
-    elif use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each.
+    elif (use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+          and not torch.compiler.is_compiling()):
+        # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each. Not under
+        # torch.compile: the node runs an inner autograd graph in its backward, which dynamo cannot trace; the
+        # per-kernel path (custom ops there) is the compiled one.
         return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, num_landmarks, landmark_args)
     else:
         if use_triton:

@@ -24,6 +24,7 @@ Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``test
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -53,10 +54,15 @@ def available() -> bool:
     return triton is not None
 
 
+@torch.compiler.assume_constant_result  # torch.compile: evaluated once while tracing, not traced into
+def fits_device(index: Optional[int], element_size: int = 2) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) gives a block the shared memory the kernels need
+    for attention inputs of ``element_size`` bytes (unknown: assume it does)."""
+    return _fits_device(torch.cuda.current_device() if index is None else index, element_size)
+
+
 @functools.lru_cache(maxsize=None)
-def fits_device(index: int, element_size: int = 2) -> bool:
-    """Whether CUDA device ``index`` gives a block the shared memory the kernels need for attention inputs of
-    ``element_size`` bytes (unknown: assume it does)."""
+def _fits_device(index: int, element_size: int) -> bool:
     need = SHARED_MEMORY_NEEDED[element_size]
     try:
         props = triton.runtime.driver.active.utils.get_device_properties(index)
@@ -455,6 +461,28 @@ def _check():
         raise RuntimeError(f"triton is not importable: {_IMPORT_ERROR}")
 
 
+# ----------------------------------------------------------------------------------------------- torch.compile
+# Every launch goes through a function wrapped by ``_opaque``: eager calls run it directly (a custom op's Python
+# dispatch costs ~11 µs a call, and host time is what the H100 model step is short of), while under torch.compile
+# it is a custom op ``nystromformer::<name>`` with a fake (shape-only) implementation, so dynamo never traces
+# Triton's launcher and the compiled step — CUDA graphs included — launches the same kernels.
+def _opaque(fake):
+    def wrap(fn):
+        op = torch.library.custom_op(f"nystromformer::{fn.__name__.lstrip('_')}", mutates_args=())(fn)
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+        call.op = op
+        return call
+    return wrap
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # ----------------------------------------------------------------------------------------------- pinv
 # Warps per program (fwd, bwd) for the 64×64 block, by precision: the fastest in bench/pinv_speed.py on the H100
 # (docs/performance.md; 1,536 matrices, fwd+bwd ms: tf32 1.36 at (4, 4) vs 1.73 at (8, 8); tf32x3 4.40 vs 5.71;
@@ -463,32 +491,46 @@ def _check():
 PINV_WARPS_64 = {"tf32": (4, 4), "tf32x3": (4, 4), "ieee": (8, 8)}
 
 
+def _pinv_warps(m: int, precision: str, warps: int, which: int) -> int:
+    return warps or (PINV_WARPS_64[precision][which] if _block(m) == 64 else 4)
+
+
+@_opaque(lambda a, z0, iters, precision, warps: a.new_empty(a.shape))
+def _pinv_forward(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str, warps: int) -> torch.Tensor:
+    a, z0 = a.contiguous(), z0.contiguous()
+    m = a.shape[-1]
+    out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    _pinv_fwd_kernel[(a.numel() // (m * m),)](a, z0, out, m, ITERS=iters, BLOCK=_block(m), PREC=precision,
+                                              num_warps=_pinv_warps(m, precision, warps, 0))
+    return out
+
+
+@_opaque(lambda a, z0, g, iters, precision, warps: (a.new_empty(a.shape), a.new_empty(a.shape)))
+def _pinv_backward(a: torch.Tensor, z0: torch.Tensor, g: torch.Tensor, iters: int, precision: str,
+                   warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a, z0 = a.contiguous(), z0.contiguous()
+    m = a.shape[-1]
+    bsz = a.numel() // (m * m)
+    da = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    dz0 = torch.empty_like(da)
+    block = _block(m)
+    scratch = torch.empty(bsz, iters, block, block, device=a.device, dtype=a.dtype)
+    _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, scratch, m, ITERS=iters, BLOCK=block, PREC=precision,
+                             num_warps=_pinv_warps(m, precision, warps, 1))
+    return da, dz0
+
+
 class _PinvIterate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, z0, iters, precision, warps):
-        a = a.contiguous()
-        z0 = z0.contiguous()
-        m = a.shape[-1]
-        bsz = a.numel() // (m * m)
-        out = torch.empty_like(a)
-        block = _block(m)
-        warps = warps or (PINV_WARPS_64[precision] if block == 64 else (4, 4))
-        _pinv_fwd_kernel[(bsz,)](a, z0, out, m, ITERS=iters, BLOCK=block, PREC=precision, num_warps=warps[0])
         ctx.save_for_backward(a, z0)
         ctx.iters, ctx.precision, ctx.warps = iters, precision, warps
-        return out
+        return _pinv_forward(a, z0, iters, precision, warps[0])
 
     @staticmethod
     def backward(ctx, g):
         a, z0 = ctx.saved_tensors
-        m = a.shape[-1]
-        bsz = a.numel() // (m * m)
-        da = torch.empty_like(a)
-        dz0 = torch.empty_like(a)
-        block = _block(m)
-        scratch = torch.empty(bsz, ctx.iters, block, block, device=a.device, dtype=a.dtype)
-        _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, scratch, m, ITERS=ctx.iters, BLOCK=block,
-                                 PREC=ctx.precision, num_warps=ctx.warps[1])
+        da, dz0 = _pinv_backward(a, z0, g, ctx.iters, ctx.precision, ctx.warps[1])
         return da, dz0, None, None, None
 
 
@@ -497,7 +539,7 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
     """``iters`` steps of Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ))) from ``z0``, for every matrix in a (..., m, m).
 
     ``precision``: Triton's input_precision for the products ("ieee", "tf32x3" or "tf32"; fp64 is always exact).
-    ``warps``: (forward, backward) warps per program, default ``PINV_WARPS``."""
+    ``warps``: (forward, backward) warps per program, default ``PINV_WARPS_64`` (4 below 64)."""
     _check()
     m = a.shape[-1]
     if a.shape[-2] != m or m > MAX_LANDMARKS:
@@ -506,7 +548,7 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
         raise ValueError("pinv kernel: computes in float32 or float64")
     if a.dtype == torch.float64:
         precision = "ieee"  # tf32 modes apply to fp32 operands only
-    return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision, warps)
+    return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision, warps or (0, 0))
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
@@ -515,57 +557,80 @@ def _dot_precision(dtype) -> str:
     return {torch.float32: "tf32x3", torch.float64: "ieee"}.get(dtype, "tf32")
 
 
+def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
+    # 8 warps; keys per block: forward 64 (fp32: 32), backward 32 (fp32: 16) — no spills (ptxas, sm_90)
+    small = q_land.element_size() <= 2
+    block_k = (32 if small else 16) if backward else (64 if small else 32)
+    return dict(BLOCK_M=_block(q_land.shape[-2]), BLOCK_K=block_k, BLOCK_D=_block(q_land.shape[-1]),
+                PREC=_dot_precision(q_land.dtype), IS_F64=q_land.dtype == torch.float64)
+
+
+def _lq_forward_fake(q_land, k, v, key_bias):
+    return q_land.new_empty(q_land.shape, dtype=_acc_dtype(q_land.dtype)), \
+        q_land.new_empty(q_land.shape[:-1], dtype=_acc_dtype(q_land.dtype))
+
+
+@_opaque(_lq_forward_fake)
+def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W (in the accumulation dtype) and its log-sum-exp."""
+    b, h, m, d = q_land.shape
+    n = k.shape[-2]
+    q_land = q_land.contiguous()
+    acc_t = _acc_dtype(q_land.dtype)
+    c = _lq_consts(q_land, backward=False)
+    tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
+    nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
+    acc = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
+    mx = torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
+    sm = torch.empty_like(mx)
+    _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), acc, mx, sm,
+                                   h, n, m, d, d ** -0.5, TILES=tiles, num_warps=8, **c)
+    top = mx.amax(dim=1, keepdim=True)                       # combine the programs' online softmaxes
+    weight = torch.exp(mx - top)
+    total = (weight * sm).sum(dim=1)                          # (b·h, BLOCK_M)
+    out = (weight[..., None] * acc).sum(dim=1) / total[..., None]
+    lse = (top.squeeze(1) + torch.log(total))[:, :m].reshape(b, h, m).contiguous()
+    return out[:, :m, :d].reshape(b, h, m, d).contiguous(), lse
+
+
+def _lq_backward_fake(q_land, k, v, key_bias, out, lse, g):
+    return q_land.new_empty(q_land.shape), torch.empty_like(k), torch.empty_like(v)
+
+
+@_opaque(_lq_backward_fake)
+def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, h, m, d = q_land.shape
+    n = k.shape[-2]
+    q_land = q_land.contiguous()
+    c = _lq_consts(q_land, backward=True)
+    tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
+    nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
+    g = g.contiguous()
+    delta = (g.to(lse.dtype) * out).sum(-1).contiguous()                  # rowsum(dW ⊙ W), (b, h, m)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
+    _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), g,
+                                   lse.contiguous(), delta, dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d,
+                                   d ** -0.5, TILES=tiles, num_warps=8, **c)
+    return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
+
+
 class _LandmarkQueriesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_land, k, v, key_bias):
-        b, h, m, d = q_land.shape
-        n = k.shape[-2]
-        q_land = q_land.contiguous()
-        key_bias = key_bias.contiguous()
-        acc_t = torch.float64 if q_land.dtype == torch.float64 else torch.float32
-        # 8 warps, 64 (fp32: 32) keys per block: no spills (ptxas, sm_90)
-        consts = dict(BLOCK_M=_block(m), BLOCK_K=64 if q_land.element_size() <= 2 else 32,
-                      BLOCK_D=_block(d), PREC=_dot_precision(q_land.dtype),
-                      IS_F64=acc_t == torch.float64)
-        tiles = min(8, triton.cdiv(n, consts["BLOCK_K"]))
-        nprog = triton.cdiv(n, consts["BLOCK_K"] * tiles)
-        acc = torch.empty(b * h, nprog, consts["BLOCK_M"], consts["BLOCK_D"], device=k.device, dtype=acc_t)
-        mx = torch.empty(b * h, nprog, consts["BLOCK_M"], device=k.device, dtype=acc_t)
-        sm = torch.empty_like(mx)
-        _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias, acc, mx, sm, h, n, m, d,
-                                       d ** -0.5, TILES=tiles, num_warps=8, **consts)
-        top = mx.amax(dim=1, keepdim=True)                       # combine the programs' online softmaxes
-        weight = torch.exp(mx - top)
-        total = (weight * sm).sum(dim=1)                          # (b·h, BLOCK_M)
-        out = (weight[..., None] * acc).sum(dim=1) / total[..., None]
-        lse = (top.squeeze(1) + torch.log(total))[:, :m].reshape(b, h, m)
-        out = out[:, :m, :d].reshape(b, h, m, d)
+        out, lse = _lq_forward(q_land, k, v, key_bias)
         # The backward's rowsum(dW ⊙ W) from the fp32 W: from the bf16-rounded one, every score gradient of a row
         # shifts alike and the error adds up over n (dK, dQ̃ ~1.4× less accurate in a bf16 emulation).
         ctx.save_for_backward(q_land, k, v, key_bias, out, lse)
-        out = out.to(q_land.dtype)
-        ctx.consts = consts
-        return out
+        return out.to(q_land.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        q_land, k, v, key_bias, out, lse = ctx.saved_tensors
-        b, h, m, d = q_land.shape
-        n = k.shape[-2]
-        c = dict(ctx.consts)
-        c["BLOCK_K"] = 32 if q_land.element_size() <= 2 else 16  # no spills at 8 warps (ptxas, sm_90)
-        tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
-        nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
-        g = g.contiguous()
-        delta = (g.to(lse.dtype) * out).sum(-1).contiguous()                  # rowsum(dW ⊙ W), (b, h, m)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
-        _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias, g, lse.contiguous(),
-                                       delta, dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d, d ** -0.5,
-                                       TILES=tiles, num_warps=8, **c)
-        dql = dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous()
+        dql, dk, dv = _lq_backward(*ctx.saved_tensors, g)
         return dql, dk, dv, None
 
 
@@ -579,44 +644,56 @@ def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.T
     return _LandmarkQueriesAttention.apply(q_land, k, v, key_bias)
 
 
+def _lk_consts(q: torch.Tensor, m: int, backward: bool) -> dict:
+    # Query rows per block: forward 64; backward 64 for 16-bit, 32 for 32/64-bit (at 64 the fp32 backward needs
+    # 225 KB of shared memory and spills). 8 warps: no spills (ptxas, sm_90; 4 warps need 239 registers).
+    block_n = 64 if not backward or q.element_size() <= 2 else 32
+    return dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype))
+
+
+@_opaque(lambda q, keep, k_land, zw: torch.empty_like(q))
+def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor) -> torch.Tensor:
+    b, h, n, d = q.shape
+    m = k_land.shape[-2]
+    out = torch.empty_like(q)
+    c = _lk_consts(q, m, backward=False)
+    _lk_fwd_kernel[(b * h, triton.cdiv(n, c["BLOCK_N"]))](q, *q.stride(), keep.contiguous(), k_land.contiguous(),
+                                                          zw.contiguous(), out, *out.stride(), h, n, m, d,
+                                                          d ** -0.5, num_warps=8, **c)
+    return out
+
+
+@_opaque(lambda q, keep, k_land, zw, g: (torch.empty_like(q), k_land.new_empty(k_land.shape),
+                                         zw.new_empty(zw.shape)))
+def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor,
+                 g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, h, n, d = q.shape
+    m = k_land.shape[-2]
+    c = _lk_consts(q, m, backward=True)
+    tiles = min(8, triton.cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
+    nprog = triton.cdiv(n, c["BLOCK_N"] * tiles)
+    acc = _acc_dtype(q.dtype)
+    dkl_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
+    dzw_p = torch.empty_like(dkl_p)
+    dq = torch.empty_like(q)
+    _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep.contiguous(), k_land.contiguous(), zw.contiguous(), g,
+                                   *g.stride(), dq, *dq.stride(), dkl_p, dzw_p, h, n, m, d, d ** -0.5, TILES=tiles,
+                                   IS_F64=acc == torch.float64, num_warps=8, **c)
+    dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype).contiguous()
+    dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype).contiguous()
+    return dq, dkl, dzw
+
+
 class _LandmarkKeysAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, keep, k_land, zw):
-        b, h, n, d = q.shape
-        m = k_land.shape[-2]
-        keep = keep.contiguous()
-        k_land, zw = k_land.contiguous(), zw.contiguous()
-        out = torch.empty_like(q)
-        block_n = 64
-        consts = dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=_block(d),
-                      PREC=_dot_precision(q.dtype))
-        # 8 warps: no spills at bf16 or fp32 (ptxas, sm_90; 4 warps need 239 registers)
-        _lk_fwd_kernel[(b * h, triton.cdiv(n, block_n))](q, *q.stride(), keep, k_land, zw, out, *out.stride(),
-                                                         h, n, m, d, d ** -0.5, num_warps=8, **consts)
         ctx.save_for_backward(q, keep, k_land, zw)
-        ctx.consts = consts
-        return out
+        return _lk_forward(q, keep, k_land, zw)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        q, keep, k_land, zw = ctx.saved_tensors
-        b, h, n, d = q.shape
-        m = k_land.shape[-2]
-        c = dict(ctx.consts)
-        # 32 rows for 32/64-bit: at 64 the fp32 backward needs 225 KB of shared memory and spills (ptxas, sm_90)
-        c["BLOCK_N"] = 64 if q.element_size() <= 2 else 32
-        tiles = min(8, triton.cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
-        nprog = triton.cdiv(n, c["BLOCK_N"] * tiles)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dkl_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
-        dzw_p = torch.empty_like(dkl_p)
-        dq = torch.empty_like(q)
-        _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep, k_land, zw, g, *g.stride(), dq, *dq.stride(), dkl_p,
-                                       dzw_p, h, n, m, d, d ** -0.5, TILES=tiles, IS_F64=acc == torch.float64,
-                                       num_warps=8, **c)
-        dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype).contiguous()
-        dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype).contiguous()
+        dq, dkl, dzw = _lk_backward(*ctx.saved_tensors, g)
         return dq, None, dkl, dzw
 
 
@@ -667,18 +744,27 @@ def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.T
     return gx
 
 
+@_opaque(lambda x, keep, m: x.new_empty(x.shape[:-2] + (m, x.shape[-1])))
+def _segment_means_forward(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
+    return segment_means_raw(x, keep, m)
+
+
+@_opaque(lambda g, keep, n: g.new_empty(g.shape[:-2] + (n, g.shape[-1])))
+def _segment_means_backward(g: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
+    return segment_means_grad(g, keep, n)
+
+
 class _SegmentMeans(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, keep, m):
-        keep_c = keep.contiguous()
-        ctx.save_for_backward(keep_c)
+        ctx.save_for_backward(keep)
         ctx.n = x.shape[-2]
-        return segment_means_raw(x, keep_c, m)
+        return _segment_means_forward(x, keep, m)
 
     @staticmethod
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
-        return segment_means_grad(g, keep, ctx.n), None, None
+        return _segment_means_backward(g, keep, ctx.n), None, None
 
 
 def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
@@ -745,26 +831,41 @@ def conv_taps(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(weight.shape[0], weight.shape[2]).contiguous()
 
 
+def _conv_forward_fake(v, keep, w, res):
+    return v.new_empty(v.shape, dtype=(v if res is None else res).dtype)
+
+
+@_opaque(_conv_forward_fake)
+def _conv_forward(v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor, res: Optional[torch.Tensor]) -> torch.Tensor:
+    return conv_raw(v, keep.contiguous(), w, res, in_mask=True, out_mask=False)
+
+
+@_opaque(lambda g, keep, w_flipped: g.new_empty(g.shape))
+def _conv_input_grad(g: torch.Tensor, keep: torch.Tensor, w_flipped: torch.Tensor) -> torch.Tensor:
+    return conv_raw(g.contiguous(), keep.contiguous(), w_flipped, None, in_mask=False, out_mask=True)
+
+
+@_opaque(lambda v, keep, g, ks: v.new_empty((v.shape[1], 1, ks, 1), dtype=_acc_dtype(v.dtype)))
+def _conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, ks: int) -> torch.Tensor:
+    return conv_weight_grad(v, keep.contiguous(), g, (v.shape[1], 1, ks, 1))
+
+
 class _ConvAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, v, keep, weight, res):
         w = conv_taps(weight)
-        keep_c = keep.contiguous()
-        out = conv_raw(v, keep_c, w, res, in_mask=True, out_mask=False)
-        ctx.save_for_backward(v, keep_c, w)
-        ctx.wshape = weight.shape
+        ctx.save_for_backward(v, keep, w)
         ctx.has_res = res is not None
-        return out
+        return _conv_forward(v, keep, w, res)
 
     @staticmethod
     def backward(ctx, g):
         v, keep, w = ctx.saved_tensors
-        g = g.contiguous()
         dv = dw = None
         if ctx.needs_input_grad[0]:
-            dv = conv_raw(g, keep, w.flip(-1).contiguous(), None, in_mask=False, out_mask=True).to(v.dtype)
+            dv = _conv_input_grad(g, keep, w.flip(-1).contiguous()).to(v.dtype)
         if ctx.needs_input_grad[2]:
-            dw = conv_weight_grad(v, keep, g, ctx.wshape).to(w.dtype)
+            dw = _conv_weight_grad(v, keep, g, w.shape[-1]).to(w.dtype)
         return dv, None, dw, (g if ctx.has_res else None)
 
 
