@@ -1,0 +1,126 @@
+"""Kernel launches per attention layer, forward + backward: a device-independent count of the host's work.
+
+The H100 model step was host-bound for Nyström (59 ms of device time in a 95 ms step at n = 512,
+docs/performance.md): the host could not issue the layers' many small kernels fast enough. This counts, for one
+attention core (q, k, v → out, then backward to q, k, v and the conv weight), the operations that become kernel
+launches on a GPU: every aten operator that is not a view or an allocation (TorchDispatchMode sees the backward
+too) plus every Triton kernel launch. Runs on the CPU (Triton kernels under TRITON_INTERPRET=1, which this script
+sets); the counts are those of the GPU path except where PyTorch picks a different decomposition on CPU (SDPA is
+one operator either way here).
+
+    python bench/launch_count.py                 # n = 512, 64 landmarks, conv 33, 2 heads × 64
+    python bench/launch_count.py --verbose       # and which operators
+
+Prints one Markdown table: launches (aten / Triton) for softmax (SDPA) and the Nyström fast path with
+NYSTROM_TRITON=0, 1 and all, with a padding mask and with mask=None (rows without padding, as in pretraining).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Operators that launch nothing: allocations, metadata, and views that autograd's dispatch does not mark as such.
+NOT_LAUNCHES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+                "promote_types", "_unsafe_view"}
+
+
+def count(args) -> None:
+    """In a child process with NYSTROM_TRITON and TRITON_INTERPRET set: print 'aten triton' for one variant."""
+    sys.path.insert(0, str(ROOT / "code"))
+    import torch
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nystromformer.attention import nystrom_fast
+
+    launches = Counter()
+    inside_kernel = [False]  # the interpreter's own tensor handling is not the layer's
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not (func.is_view or name in NOT_LAUNCHES or inside_kernel[0]):
+                launches[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    triton_launches = [0]
+    if args.variant.startswith("nystrom") and os.environ.get("NYSTROM_TRITON") != "0":
+        from triton.runtime import interpreter
+        run = interpreter.GridExecutor.__call__
+
+        def counted(self, *a, **kw):
+            triton_launches[0] += 1
+            inside_kernel[0] = True
+            try:
+                return run(self, *a, **kw)
+            finally:
+                inside_kernel[0] = False
+        interpreter.GridExecutor.__call__ = counted
+
+    b, h, n, d = 1, args.heads, args.n, 64
+    # q, k, v as the model makes them: (b, n, h, d) projections seen as (b, h, n, d)
+    leaves = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    w = torch.randn(h, 1, 33, 1, requires_grad=True)
+    mask = None if args.mask == "none" else torch.ones(b, n)
+    if args.variant == "softmax":
+        fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, attn_mask=None if mask is None else mask[:, None, None, :].bool())
+    else:
+        fn = lambda: nystrom_fast.forward(q, k, v, mask, num_landmarks=64, conv_weight=w,  # noqa: E731
+                                          use_triton=os.environ["NYSTROM_TRITON"] != "0")
+    fn().sum().backward()  # warm-up: Triton's first launch compiles / builds the launcher
+    triton_launches[0] = 0
+    for t in leaves + [w]:
+        t.grad = None  # else backward adds into the warm-up's gradients: launches the model (zero_grad) does not
+    with Count():
+        out = fn()
+        out.sum().backward()
+    launches.subtract({"sum": 1, "ones_like": 1})  # the harness's loss and its gradient seed
+    launches = +launches
+    print(sum(launches.values()), triton_launches[0])
+    if args.verbose:
+        print(dict(launches.most_common()), file=sys.stderr)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=2, help="the counts do not depend on it (nor on n >= 64)")
+    ap.add_argument("--verbose", action="store_true", help="also print the operators counted, per variant")
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        args.variant, args.mask = args.child
+        return count(args)
+    rows = [("softmax (SDPA)", "softmax", "-"), ("nystrom, PyTorch ops", "nystrom", "0"),
+            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all")]
+    print(f"# launches per attention layer, forward + backward, n={args.n}, heads={args.heads}, head_dim=64, "
+          f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
+    print("| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total |")
+    print("|---|---|---|")
+    for label, variant, mode in rows:
+        cells = []
+        for mask in ("ones", "none"):
+            env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=mode if mode != "-" else "0",
+                       NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+            cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--child", variant, mask]
+            if args.verbose:
+                cmd.append("--verbose")
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-3000:])
+            if args.verbose:
+                print(f"# {label}, mask {mask}: {proc.stderr.strip()}")
+            aten, triton = map(int, proc.stdout.split()[-2:])
+            cells.append(f"{aten} + {triton} = {aten + triton}")
+        print(f"| {label} | {cells[0]} | {cells[1]} |")
+
+
+if __name__ == "__main__":
+    main()
