@@ -136,10 +136,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     masked = (lambda t: t) if keep is None else (lambda t: t * keep[:, None, :, None])  # noqa: E731
     # The kernels read a (b, n) keep vector whether or not there is padding (b·n bytes: nothing to save).
     kernel_keep = (keep if keep is not None else q.new_ones(b, n)) if use_triton else None
-    attention_kernels = use_triton and triton_mode() == "all"
+    all_kernels = use_triton and triton_mode() == "all"
+    attention_kernels = all_kernels and num_landmarks <= 64  # nystrom_triton.MAX_LANDMARKS
     if fused_backward is None:
-        fused_backward = attention_kernels
-    landmark_args = (keep, bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
+        fused_backward = all_kernels
+    # The attention-pass kernels, like the others, take (b, n) vectors whether or not there is padding.
+    pass_keep, pass_bias = keep, bias
+    if attention_kernels:
+        pass_keep, pass_bias = kernel_keep, (bias if bias is not None else q.new_zeros(b, n))
+    landmark_args = (pass_keep, pass_bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(masked(q), masked(k), v, attn_mask=_key_bias(bias))
@@ -176,17 +181,16 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
                         pinv_precision):
     """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
 
-    With ``attention_kernels`` and m ≤ 64 both passes are Triton kernels: pass 1 (the m landmark queries over all
+    With ``attention_kernels`` (m ≤ 64) both passes are Triton kernels: pass 1 (the m landmark queries over all
     keys) ``landmark_queries_attention``, split over keys; pass 2 (every query over the m landmark keys)
     ``landmark_keys_attention``, which masks Q itself and spreads the n-long reductions of its backward over
-    many programs. Otherwise both are SDPA (pass 2 on the masked Q). ``keep`` and ``bias`` are None when there
+    many programs. Otherwise both are SDPA (pass 2 on the masked Q), and ``keep`` and ``bias`` are None when there
     is no padding."""
     dtype = q.dtype
-    kernels = attention_kernels and q_land.shape[-2] <= 64  # nystrom_triton.MAX_LANDMARKS
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
-    if kernels:
+    if attention_kernels:
         from .nystrom_triton import landmark_queries_attention
-        w = landmark_queries_attention(q_land, k, v, bias if bias is not None else k.new_zeros(k.shape[0], k.shape[2]))
+        w = landmark_queries_attention(q_land, k, v, bias)
     else:
         w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=_key_bias(bias))
     work = torch.promote_types(dtype, torch.float32)
@@ -196,9 +200,9 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         a = torch.softmax(scores, dim=-1)
         z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
         zw = (z @ w.to(work)).to(dtype)
-    if kernels:
+    if attention_kernels:
         from .nystrom_triton import landmark_keys_attention
-        return landmark_keys_attention(q, keep if keep is not None else q.new_ones(q.shape[0], q.shape[2]), k_land, zw)
+        return landmark_keys_attention(q, keep, k_land, zw)
     return F.scaled_dot_product_attention(q if keep is None else q * keep[:, None, :, None], k_land, zw)
 
 
