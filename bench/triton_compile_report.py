@@ -70,6 +70,23 @@ def configs(dt: str, prec: str, wide: bool):
            dict(**lq, DW=p, LSE="*fp32", DELTA="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
                 **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", **dims),
            dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+    core = dict(QL=p, KL=p)
+    core_c = dict(BLOCK=64, BLOCK_D=64, OUTER="tf32x3", IS_F64=False)
+    batch = dict(BLOCK_S=nt.CORE_BLOCK_S, CHUNKS=6)  # b·h = 1,536 (batch 128 × 12 heads)
+    yield ("landmark core stats", nt._core_stats_kernel,
+           dict(**core, COLS="*fp32", STAT="*fp32", M=I32, D=I32, scale="fp32"),
+           dict(BLOCK=64, BLOCK_D=64, PREC="tf32x3", IS_F64=False), 4)
+    yield ("landmark core forward", nt._core_fwd_kernel,
+           dict(**core, W=p, STAT="*fp32", ZW=p, M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c), nt.CORE_WARPS)
+    yield ("landmark core backward", nt._core_bwd_kernel,
+           dict(**core, W=p, STAT="*fp32", COLS="*fp32", G=p, DW=p, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
+                ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c), nt.CORE_WARPS)
+    yield ("landmark core softmax backward", nt._core_softmax_bwd_kernel,
+           dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=p, DKL=p, M=I32,
+                D=I32, NBH=I32, scale="fp32"),
+           dict(**batch, **core_c), nt.CORE_WARPS)
     yield ("pass 2 forward", nt._lk_fwd_kernel, dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), **dims),
            dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec), 8)
     yield ("pass 2 backward", nt._lk_bwd_kernel,

@@ -407,6 +407,7 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
     q_land, k_land, zw = r(2, 2, 8, 16), r(2, 2, 8, 16), r(2, 2, 8, 16)
     a = torch.softmax(r(2, 2, 8, 8), -1)
     out, lse = nt._lq_forward(q_land, k, v, keep * 0)
+    stat, cols = nt._core_stats(q_land, k_land)
     cases = {nt._pinv_forward: (a, a.transpose(-1, -2), 3, "ieee", 0),
              nt._pinv_backward: (a, a.transpose(-1, -2).contiguous(), r(2, 2, 8, 8), 3, "ieee", 0),
              nt._lq_forward: (q_land, k, v, keep * 0),
@@ -417,7 +418,10 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
              nt._segment_means_backward: (q_land, keep, 40),
              nt._conv_forward: (v, keep, r(2, 5), q),
              nt._conv_input_grad: (v, keep, r(2, 5)),
-             nt._conv_weight_grad: (v, keep, q, 5)}
+             nt._conv_weight_grad: (v, keep, q, 5),
+             nt._core_stats: (q_land, k_land),
+             nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee"),
+             nt._core_backward: (q_land, k_land, zw, stat, cols, r(2, 2, 8, 16), 3, "ieee")}
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
 
@@ -526,6 +530,47 @@ def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
     out = nystrom_triton.landmark_queries_attention(q_land, k, v, bias)   # several programs per row when n > 512
     ref = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
     _same_function_and_gradients(out, ref, (q_land, k, v), dtype)
+
+
+def _landmark_middle(q_land, k_land, w, iters=6):
+    """The PyTorch composition the landmark core replaces: pinv(softmax(Q̃K̃ᵀ/√d)) @ W, init="original"."""
+    a = torch.softmax(q_land @ k_land.transpose(-1, -2) * q_land.shape[-1] ** -0.5, -1)
+    return iterative_pinv(a, iters, "original") @ w
+
+
+@needs_interpreter
+@pytest.mark.parametrize("b,h,m,d,dtype", [(2, 3, 8, 16, torch.float64), (1, 2, 7, 12, torch.float64),
+                                           (2, 2, 64, 64, torch.float64), (2, 3, 20, 16, torch.float32),
+                                           (20, 15, 8, 16, torch.float64)])  # 300 matrices: the batch max in chunks
+def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype):
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(m * b)
+    q_land, k_land, w = (_random(b, h, m, d, dtype=dtype, g=g) for _ in range(3))
+    if b * h > nystrom_triton.CORE_BLOCK_S:
+        with torch.no_grad():
+            q_land[-1, -1] *= 8   # peaked rows: the batch's largest column sum sits in the last chunk
+    ref = _landmark_middle(q_land, k_land, w)
+    assert ref.shape == w.shape
+    _same_function_and_gradients(nystrom_triton.landmark_core(q_land, k_land, w, 6), ref, (q_land, k_land, w),
+                                 dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("uniform", [False, True])
+def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_max(uniform):
+    # Z₀ = Aᵀ / max(column sums over the batch): torch.max's backward splits the gradient evenly over every entry
+    # equal to the max. Four identical (Q̃, K̃) tie it four ways (a kernel giving it all to each would be 4× off);
+    # Q̃ = 0 makes every column sum of every matrix 1.
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(1)
+    q_land, k_land, w = (torch.randn(2, 2, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q_land[:], k_land[:] = q_land[0, 0] * (0 if uniform else 1), k_land[0, 0]
+    params = [t.requires_grad_() for t in (q_land, k_land, w)]
+    out, ref = nystrom_triton.landmark_core(*params, 6), _landmark_middle(*params)
+    assert rel(out, ref) < FP64_TOL
+    gout = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, params, gout), torch.autograd.grad(ref, params, gout)):
+        assert (a - b).norm() <= FP64_TOL * max(b.norm(), 1)
 
 
 def test_triton_is_not_chosen_for_head_dims_its_tiles_do_not_fit(monkeypatch):

@@ -10,6 +10,11 @@
   "tf32" (one pass, ~1e-3: enough when the attention itself runs in bf16). The first H100 run (one program of
   4 warps per 64×64 matrix, the backward recomputing every iterate from Z₀) spilled 33 KB of registers per
   thread and took 19.5 + 14.9 ms for 1,536 matrices: warps, precision and the scratch replay come from that.
+* ``landmark_core(q_land, k_land, w, iters)`` (``NYSTROM_TRITON=all``, ``init="original"``): everything between
+  the two attention passes — kernel_2's softmax, the batch-wide init, the iteration, Z·W — in 2 launches forward
+  (column sums; then per matrix: the batch max read from every matrix's stat, Z₀, the steps, Z·W) and 2 backward
+  (Z·W's and the iteration's backward; then the batch max's gradient split over tied column sums, the softmax's
+  and Q̃K̃ᵀ's backward), replacing ~30 PyTorch operators per layer.
 * ``segment_means_masked(x, keep, m)``: means of ``x·keep`` over the reference's m segments (floor(p·m/n) = i),
   fp32 accumulation, fusing the padding multiply. Backward: one kernel writing keep·g[segment]/length.
 * ``conv_add(v, keep, w, res)``: ``res + Conv2d_{(k,1), groups=h}(v·keep)`` (the reference's depthwise conv along
@@ -86,7 +91,8 @@ if triton is not None:
         return 0.25 * tl.dot(z, 13.0 * eye - s2, input_precision=PREC)
 
     @triton.jit
-    def _pinv_fwd_kernel(A, Z0, Z, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    def _pinv_operands(A, Z0, m, BLOCK: tl.constexpr):
+        # This program's matrix A, initial iterate Z₀ and identity, zero-padded to BLOCK², and their offsets.
         pid = tl.program_id(0).to(tl.int64)
         r = tl.arange(0, BLOCK)
         inside = (r[:, None] < m) & (r[None, :] < m)
@@ -94,26 +100,29 @@ if triton is not None:
         a = tl.load(A + off, mask=inside, other=0.0)
         z = tl.load(Z0 + off, mask=inside, other=0.0)
         eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
+        return pid, off, inside, a, z, eye
+
+    @triton.jit
+    def _pinv_fwd_kernel(A, Z0, Z, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        pid, off, inside, a, z, eye = _pinv_operands(A, Z0, m, BLOCK)
         for _ in range(ITERS):
             z = _pinv_step(a, z, eye, PREC)
         tl.store(Z + off, z, mask=inside)
 
     @triton.jit
-    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, ZS, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        r = tl.arange(0, BLOCK)
-        inside = (r[:, None] < m) & (r[None, :] < m)
-        off = pid * m * m + r[:, None] * m + r[None, :]
-        a = tl.load(A + off, mask=inside, other=0.0)
-        z = tl.load(Z0 + off, mask=inside, other=0.0)
-        eye = tl.where((r[:, None] == r[None, :]) & inside, 1.0, 0.0).to(a.dtype)
-        # Replay the forward once, keeping the iterate that enters each step in this program's scratch slice.
-        zs = ZS + pid * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
+    def _pinv_replay(a, z, eye, zs, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        # The forward once more from z = Z₀, keeping the iterate that enters each step in this program's scratch
+        # slice zs (ITERS blocks of BLOCK²); returns the final iterate.
         for i in range(ITERS):
             tl.store(zs + i * BLOCK * BLOCK, z)
             z = _pinv_step(a, z, eye, PREC)
         tl.debug_barrier()  # the scratch was written by other threads of this program
-        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
+        return z
+
+    @triton.jit
+    def _pinv_reverse(a, g, eye, zs, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        # Back through the steps (their input iterates in zs, from _pinv_replay) with g = dL/dZ_final:
+        # returns (dL/dA through the iteration, dL/dZ₀).
         da = tl.zeros_like(a)
         for s in range(ITERS):
             z = tl.load(zs + (ITERS - 1 - s) * BLOCK * BLOCK)
@@ -133,6 +142,16 @@ if triton is not None:
             dp -= tl.dot(pt, ds1, input_precision=PREC)
             da += tl.dot(dp, zt, input_precision=PREC)
             g = dz + tl.dot(tl.trans(a), dp, input_precision=PREC)
+        return da, g
+
+    @triton.jit
+    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, ZS, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        pid, off, inside, a, z, eye = _pinv_operands(A, Z0, m, BLOCK)
+        r = tl.arange(0, BLOCK)
+        zs = ZS + pid * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
+        _pinv_replay(a, z, eye, zs, ITERS, BLOCK, PREC)
+        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
+        da, g = _pinv_reverse(a, g, eye, zs, ITERS, BLOCK, PREC)
         tl.store(DA + off, da, mask=inside)
         tl.store(DZ0 + off, g, mask=inside)
 
@@ -197,6 +216,123 @@ if triton is not None:
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         return acc
+
+    # --- the landmark core: ZW = pinv(softmax(Q̃ K̃ᵀ · scale)) · W, one program per (batch, head) matrix -------
+    # init="original" scales Z₀ by the max column sum over the *whole batch*, a global reduction between the
+    # softmax and the iteration; so: _core_stats_kernel (softmax, column sums) → _core_fwd_kernel (each program
+    # reads every matrix's max, ~b·h floats, then iterates in registers). Backward: _core_bwd_kernel (ZW and pinv
+    # backward, each matrix's share of the max's gradient) → _core_softmax_bwd_kernel (the max's gradient, split
+    # evenly over tied column sums as torch.max's backward does, then softmax and Q̃K̃ᵀ backward). The m × m
+    # softmax is recomputed rather than stored: one 64×64×64 product.
+    @triton.jit
+    def _to_work(x, IS_F64: tl.constexpr):
+        if IS_F64:
+            y = x.to(tl.float64)
+        else:
+            y = x.to(tl.float32)
+        return y
+
+    @triton.jit
+    def _store_landmark_tile(PTR, bh, tile, M, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        lm = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        tl.store(PTR + (bh.to(tl.int64) * M + lm[:, None]) * D + cols[None, :], tile.to(PTR.dtype.element_ty),
+                 mask=(lm[:, None] < M) & (cols[None, :] < D))
+
+    @triton.jit
+    def _kernel_2(QL, KL, bh, M, D, scale, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr,
+                  IS_F64: tl.constexpr):
+        # softmax(Q̃ K̃ᵀ · scale) of matrix bh in the work dtype; zero outside m × m
+        q = _to_work(_landmark_tile(QL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        k = _to_work(_landmark_tile(KL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        r = tl.arange(0, BLOCK)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        s = tl.where((r < M)[None, :], s, float("-inf"))
+        e = tl.exp(s - tl.max(s, axis=1)[:, None])
+        return tl.where((r < M)[:, None], e / tl.sum(e, axis=1)[:, None], 0.0)
+
+    @triton.jit
+    def _batch_max(X, NBH, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr):
+        # max of X[0:NBH] (CHUNKS = ⌈NBH / BLOCK_S⌉): every program reads the same b·h floats (a few KB, from L2)
+        idx = tl.arange(0, BLOCK_S)
+        best = tl.load(X + idx, mask=idx < NBH, other=float("-inf"))
+        for c in range(1, CHUNKS):
+            best = tl.maximum(best, tl.load(X + c * BLOCK_S + idx, mask=c * BLOCK_S + idx < NBH,
+                                            other=float("-inf")))
+        return tl.max(best, axis=0)
+
+    @triton.jit
+    def _batch_sum(X, NBH, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr):
+        idx = tl.arange(0, BLOCK_S)
+        total = tl.load(X + idx, mask=idx < NBH, other=0.0)
+        for c in range(1, CHUNKS):
+            total += tl.load(X + c * BLOCK_S + idx, mask=c * BLOCK_S + idx < NBH, other=0.0)
+        return tl.sum(total, axis=0)
+
+    @triton.jit
+    def _core_stats_kernel(QL, KL, COLS, STAT, M, D, scale, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                           PREC: tl.constexpr, IS_F64: tl.constexpr):
+        # COLS[bh] = the column sums of kernel_2, STAT[bh] = their max (the batch max is the max of STAT)
+        bh = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        colsum = tl.sum(_kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, PREC, IS_F64), axis=0)
+        tl.store(COLS + bh.to(tl.int64) * M + r, colsum, mask=r < M)
+        tl.store(STAT + bh, tl.max(tl.where(r < M, colsum, float("-inf")), axis=0))
+
+    @triton.jit
+    def _core_fwd_kernel(QL, KL, W, STAT, ZW, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
+                         OUTER: tl.constexpr, IS_F64: tl.constexpr):
+        bh = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
+        z = tl.trans(a) / _batch_max(STAT, NBH, BLOCK_S, CHUNKS)            # Z₀ = Aᵀ / max column sum
+        eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
+        for _ in range(ITERS):
+            z = _pinv_step(a, z, eye, PREC)
+        w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+
+    @triton.jit
+    def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, scale, ITERS: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
+                         PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
+        # dW, and dL/dA except the batch max's share: DA (BLOCK² per matrix), DDIV = dL/d(max) from this matrix,
+        # NTIE = how many of its column sums equal the max (the next kernel splits the summed DDIV over them).
+        bh = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
+        div = _batch_max(STAT, NBH, BLOCK_S, CHUNKS)
+        eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
+        square = r[:, None] * BLOCK + r[None, :]
+        zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
+        z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
+        w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+        da, dz0 = _pinv_reverse(a, tl.dot(g, tl.trans(w), input_precision=OUTER), eye, zs, ITERS, BLOCK, PREC)
+        tl.store(DA + bh.to(tl.int64) * BLOCK * BLOCK + square, da + tl.trans(dz0) / div)
+        tl.store(DDIV + bh, -tl.sum(tl.sum(dz0 * tl.trans(a), axis=1), axis=0) / (div * div))  # Z₀ not kept live
+        colsum = tl.load(COLS + bh.to(tl.int64) * M + r, mask=r < M, other=float("-inf"))
+        tl.store(NTIE + bh, tl.sum(tl.where(colsum == div, 1.0, 0.0), axis=0).to(NTIE.dtype.element_ty))
+
+    @triton.jit
+    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, M, D, NBH, scale,
+                                 BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                                 CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
+        bh = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
+        div = _batch_max(STAT, NBH, BLOCK_S, CHUNKS)
+        share = _batch_sum(DDIV, NBH, BLOCK_S, CHUNKS) / _batch_sum(NTIE, NBH, BLOCK_S, CHUNKS)
+        colsum = tl.load(COLS + bh.to(tl.int64) * M + r, mask=r < M, other=float("-inf"))
+        da = tl.load(DA + bh.to(tl.int64) * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :])
+        da += tl.where(colsum == div, share, 0.0)[None, :]                # d(max)/d(column sum), every row
+        ds = a * (da - tl.sum(da * a, axis=1)[:, None]) * scale            # softmax backward, then the scale
+        q = _to_work(_landmark_tile(QL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        k = _to_work(_landmark_tile(KL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        _store_landmark_tile(DQL, bh, tl.dot(ds, k, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+        _store_landmark_tile(DKL, bh, tl.dot(tl.trans(ds), q, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
 
     @triton.jit
     def _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D, scale,
@@ -549,6 +685,108 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
     if a.dtype == torch.float64:
         precision = "ieee"  # tf32 modes apply to fp32 operands only
     return _PinvIterate.apply(a, z0.to(a.dtype), iters, precision, warps or (0, 0))
+
+
+# ----------------------------------------------------------------------------------------------- landmark core
+CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this many
+# Warps per program of the core's iterating kernels: 8 spill least at 64 × 64 (ptxas, sm_90: forward 0 B at tf32,
+# backward 824 B vs 1,788 at 4 warps, softmax backward 176 vs 600). Not yet timed on a GPU.
+CORE_WARPS = 8
+
+
+def _core_warps(m: int) -> int:
+    return CORE_WARPS if _block(m) == 64 else 4
+
+
+def _core_consts(q_land: torch.Tensor, precision: str) -> dict:
+    f64 = q_land.dtype == torch.float64
+    nbh = q_land.shape[0] * q_land.shape[1]
+    # PREC: the iteration's products (the pinv kernel's precision); OUTER: the products around it (Q̃K̃ᵀ, Z·W and
+    # their gradients), near fp32 whatever the iteration's setting, as the PyTorch path's fp32 matmuls.
+    return dict(BLOCK=_block(q_land.shape[-2]), BLOCK_D=_block(q_land.shape[-1]), BLOCK_S=CORE_BLOCK_S,
+                CHUNKS=triton.cdiv(nbh, CORE_BLOCK_S), PREC="ieee" if f64 else precision,
+                OUTER="ieee" if f64 else "tf32x3", IS_F64=f64)
+
+
+@_opaque(lambda q_land, k_land: (q_land.new_empty(q_land.shape[:2], dtype=_acc_dtype(q_land.dtype)),
+                                 q_land.new_empty(q_land.shape[:3], dtype=_acc_dtype(q_land.dtype))))
+def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each matrix's max column sum of kernel_2 (b, h) and the column sums (b, h, m)."""
+    b, h, m, d = q_land.shape
+    c = _core_consts(q_land, "ieee")
+    stat = torch.empty(b, h, device=q_land.device, dtype=_acc_dtype(q_land.dtype))
+    cols = torch.empty(b, h, m, device=q_land.device, dtype=stat.dtype)
+    _core_stats_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), cols, stat, m, d, d ** -0.5,
+                                 BLOCK=c["BLOCK"], BLOCK_D=c["BLOCK_D"], PREC=c["OUTER"], IS_F64=c["IS_F64"],
+                                 num_warps=4)
+    return stat, cols
+
+
+@_opaque(lambda q_land, k_land, w, stat, iters, precision: w.new_empty(w.shape))
+def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
+                  precision: str) -> torch.Tensor:
+    b, h, m, d = q_land.shape
+    zw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
+    _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous(), stat, zw, m, d, b * h,
+                               d ** -0.5, ITERS=iters, num_warps=_core_warps(m),
+                               **_core_consts(q_land, precision))
+    return zw
+
+
+@_opaque(lambda q_land, k_land, w, stat, cols, g, iters, precision: (q_land.new_empty(q_land.shape),
+                                                                     k_land.new_empty(k_land.shape),
+                                                                     w.new_empty(w.shape)))
+def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
+                   cols: torch.Tensor, g: torch.Tensor, iters: int,
+                   precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, h, m, d = q_land.shape
+    c = _core_consts(q_land, precision)
+    q_land, k_land = q_land.contiguous(), k_land.contiguous()
+    work = stat.dtype
+    block = c["BLOCK"]
+    dw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
+    da = torch.empty(b * h, block, block, device=w.device, dtype=work)
+    ddiv = torch.empty(b * h, device=w.device, dtype=work)
+    ntie = torch.empty_like(ddiv)
+    scratch = torch.empty(b * h, iters, block, block, device=w.device, dtype=work)
+    _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous(), stat, cols, g.contiguous(), dw, da, ddiv, ntie,
+                               scratch, m, d, b * h, d ** -0.5, ITERS=iters, num_warps=_core_warps(m), **c)
+    dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
+    c.pop("PREC")
+    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
+                                       d ** -0.5, num_warps=_core_warps(m), **c)
+    return dq_land, dk_land, dw
+
+
+class _LandmarkCore(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_land, k_land, w, iters, precision):
+        stat, cols = _core_stats(q_land, k_land)
+        ctx.save_for_backward(q_land, k_land, w, stat, cols)
+        ctx.iters, ctx.precision = iters, precision
+        return _core_forward(q_land, k_land, w, stat, iters, precision)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        return *_core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None
+
+
+def landmark_core(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, iters: int,
+                  precision: str = "tf32x3") -> torch.Tensor:
+    """``pinv(softmax(Q̃ K̃ᵀ / √d)) @ W`` for landmarks (b, h, m, d), m ≤ 64, with the paper's
+    ``init="original"`` (Z₀ = Aᵀ / the max column sum over the whole batch) and ``iters`` steps of the
+    iteration: 2 launches forward and 2 backward instead of ~30 PyTorch operators (softmax, init, the max's
+    backward, casts, products). Computed in fp32 (fp64 for fp64 inputs) whatever the input dtype; ``precision`` is
+    the iteration's ``input_precision`` as for ``pinv_iterate``; the products around it are near fp32 ("tf32x3").
+    The result has W's dtype. Gradients as autograd's through the PyTorch composition, including torch.max's even
+    split over tied column sums (``tests/test_nystrom_fast.py``)."""
+    _check()
+    m = q_land.shape[-2]
+    if m > MAX_LANDMARKS or q_land.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"landmark_core: at most {MAX_LANDMARKS} landmarks and head_dim {MAX_HEAD_DIM}, got "
+                         f"{tuple(q_land.shape)}")
+    return _LandmarkCore.apply(q_land, k_land, w, iters, precision)
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
