@@ -377,7 +377,30 @@ if triton is not None:
         tl.store(SUM + part * BLOCK_M + lm, l_i)
 
     @triton.jit
-    def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, DELTA,
+    def _lq_combine_kernel(ACC, MAX, SUM, OUT, OUT_LOW, LSE, M, D, NPROG: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        # Pass 1's NPROG programs over key blocks of one (batch·head), combined: W = Σ_p e^(max_p − top) acc_p /
+        # Σ_p e^(max_p − top) sum_p (in OUT, fp32) and in the inputs' dtype (OUT_LOW), its log-sum-exp in LSE.
+        bh = tl.program_id(0).to(tl.int64)
+        lm = tl.arange(0, BLOCK_M)
+        tile = lm[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        top = tl.load(MAX + bh * NPROG * BLOCK_M + lm)
+        for p in range(1, NPROG):
+            top = tl.maximum(top, tl.load(MAX + (bh * NPROG + p) * BLOCK_M + lm))
+        total = tl.zeros_like(top)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=top.dtype)
+        for p in range(NPROG):
+            part = bh * NPROG + p
+            weight = tl.exp(tl.load(MAX + part * BLOCK_M + lm) - top)
+            total += weight * tl.load(SUM + part * BLOCK_M + lm)
+            acc += weight[:, None] * tl.load(ACC + part * BLOCK_M * BLOCK_D + tile)
+        out = acc / total[:, None]
+        _store_landmark_tile(OUT, bh, out, M, D, BLOCK_M, BLOCK_D)
+        _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
+        tl.store(LSE + bh * M + lm, top + tl.log(total), mask=lm < M)
+
+    @triton.jit
+    def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, WF,
                        DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, H, N, M, D, scale,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
                        PREC: tl.constexpr, IS_F64: tl.constexpr):
@@ -389,7 +412,8 @@ if triton is not None:
         dw = _landmark_tile(DW, bh, M, D, BLOCK_M, BLOCK_D)
         dql = _accumulator(BLOCK_M, BLOCK_D, IS_F64)
         lse = tl.load(LSE + bh.to(tl.int64) * M + lm, mask=lm < M, other=0.0).to(dql.dtype)
-        delta = tl.load(DELTA + bh.to(tl.int64) * M + lm, mask=lm < M, other=0.0).to(dql.dtype)
+        # rowsum(dW ⊙ W) with the forward's fp32 W (one m × d tile: cheaper here than 3 PyTorch launches)
+        delta = tl.sum(dw.to(dql.dtype) * _landmark_tile(WF, bh, M, D, BLOCK_M, BLOCK_D).to(dql.dtype), axis=1)
         for t in range(TILES):
             keys = (tl.program_id(1) * TILES + t) * BLOCK_K + tl.arange(0, BLOCK_K)
             k, v, s = _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D,
@@ -804,14 +828,16 @@ def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
 
 
 def _lq_forward_fake(q_land, k, v, key_bias):
-    return q_land.new_empty(q_land.shape, dtype=_acc_dtype(q_land.dtype)), \
-        q_land.new_empty(q_land.shape[:-1], dtype=_acc_dtype(q_land.dtype))
+    acc = _acc_dtype(q_land.dtype)
+    out = q_land.new_empty(q_land.shape, dtype=acc)
+    return out, q_land.new_empty(q_land.shape[:-1], dtype=acc), q_land.new_empty(q_land.shape)
 
 
 @_opaque(_lq_forward_fake)
 def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W (in the accumulation dtype) and its log-sum-exp."""
+                key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (in the accumulation dtype), its log-sum-exp, and W in the inputs' dtype (all three from one combine
+    launch after the key-block programs)."""
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -824,12 +850,12 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sm = torch.empty_like(mx)
     _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), acc, mx, sm,
                                    h, n, m, d, d ** -0.5, TILES=tiles, num_warps=8, **c)
-    top = mx.amax(dim=1, keepdim=True)                       # combine the programs' online softmaxes
-    weight = torch.exp(mx - top)
-    total = (weight * sm).sum(dim=1)                          # (b·h, BLOCK_M)
-    out = (weight[..., None] * acc).sum(dim=1) / total[..., None]
-    lse = (top.squeeze(1) + torch.log(total))[:, :m].reshape(b, h, m).contiguous()
-    return out[:, :m, :d].reshape(b, h, m, d).contiguous(), lse
+    out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
+    out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype)  # a copy even if the same dtype
+    lse = torch.empty(b, h, m, device=k.device, dtype=acc_t)
+    _lq_combine_kernel[(b * h,)](acc, mx, sm, out, out_low, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"],
+                                 BLOCK_D=c["BLOCK_D"], num_warps=4)
+    return out, lse, out_low
 
 
 def _lq_backward_fake(q_land, k, v, key_bias, out, lse, g):
@@ -846,12 +872,11 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
     tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
     nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
     g = g.contiguous()
-    delta = (g.to(lse.dtype) * out).sum(-1).contiguous()                  # rowsum(dW ⊙ W), (b, h, m)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
     _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), g,
-                                   lse.contiguous(), delta, dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d,
+                                   lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d,
                                    d ** -0.5, TILES=tiles, num_warps=8, **c)
     return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
 
@@ -859,11 +884,11 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
 class _LandmarkQueriesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_land, k, v, key_bias):
-        out, lse = _lq_forward(q_land, k, v, key_bias)
+        out, lse, out_low = _lq_forward(q_land, k, v, key_bias)
         # The backward's rowsum(dW ⊙ W) from the fp32 W: from the bf16-rounded one, every score gradient of a row
         # shifts alike and the error adds up over n (dK, dQ̃ ~1.4× less accurate in a bf16 emulation).
         ctx.save_for_backward(q_land, k, v, key_bias, out, lse)
-        return out.to(q_land.dtype)
+        return out_low
 
     @staticmethod
     @torch.autograd.function.once_differentiable
