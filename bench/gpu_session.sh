@@ -5,6 +5,7 @@
 #
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
 #   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
+#   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
@@ -25,7 +26,7 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 limit=${STAGE_LIMIT:-300}
-[ $# -gt 0 ] || { echo "stages: check pinv attention model compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention model compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -39,6 +40,11 @@ stage_check() {
 stage_pinv() {
   local d=$RESULTS/pinv; mkdir -p "$d"
   timeout "$limit" "$python" bench/pinv_speed.py | tee "$d/pinv.md"
+}
+
+stage_middle() {
+  local d=$RESULTS/middle; mkdir -p "$d"
+  timeout "$limit" "$python" bench/pinv_speed.py --middle-only | tee "$d/middle.md"
 }
 
 stage_attention() {

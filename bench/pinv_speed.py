@@ -4,8 +4,13 @@ For each number of matrices (batch × heads: 1,536 = n 512 at 65,536 tokens and 
 n 65,536 sequence) it times the forward and forward+backward of 6 iterations on m × m softmax matrices and reports
 the relative error of the output and of the gradient against float64. One table, one run.
 
+A second table times the whole landmark middle, pinv(softmax(Q̃K̃ᵀ/√d)) @ W from bf16 landmarks (what sits between
+the two attention passes): PyTorch ops around the pinv kernel (``NYSTROM_TRITON=1``) against the fused
+``landmark_core`` kernels (``=all``), with the launches each makes.
+
     python bench/pinv_speed.py                    # CUDA
     python bench/pinv_speed.py --matrices 1536 --m 64 --precisions tf32 --warps 8,8
+    python bench/pinv_speed.py --middle-only        # just the second table
 """
 from __future__ import annotations
 
@@ -41,9 +46,53 @@ def main(argv=None):
     ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3", "tf32"])
     ap.add_argument("--warps", nargs="+", default=["4,4", "4,8", "8,8", "8,16", "8,4"],
                     help="forward,backward warps per program")
+    ap.add_argument("--middle-only", action="store_true", help="only the landmark-middle table")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    rel = lambda x, y: ((x.double() - y).norm() / y.norm()).item()  # noqa: E731
+    if not args.middle_only:
+        pinv_table(args, dev)
+    middle_table(args, dev)
+
+
+def rel(x, y):
+    return ((x.double() - y).norm() / y.norm()).item()
+
+
+def middle_table(args, dev, d=64):
+    print(f"\n# landmark middle pinv(softmax(Q̃K̃ᵀ/√d)) @ W, bf16 landmarks (m={args.m}, d={d}, {args.iters} steps, "
+          "pinv at tf32), fwd / fwd+bwd ms, errors vs float64")
+    print("| matrices | impl | launches fwd+bwd | fwd ms | fwd+bwd ms | out err | grad err (Q̃, K̃, W) |")
+    print("|---|---|---|---|---|---|---|")
+    for bsz in args.matrices:
+        g = torch.Generator(device="cpu").manual_seed(bsz)
+        x64 = [torch.randn(bsz, 1, args.m, d, generator=g, dtype=torch.float64).to(dev).requires_grad_()
+               for _ in range(3)]
+        gout = torch.randn(bsz, 1, args.m, d, generator=g, dtype=torch.float64).to(dev)
+        ref = nystrom_fast.landmark_middle(*x64, args.iters, "original", False, "ieee")
+        ref_grads = torch.autograd.grad(ref, x64, gout)
+        xs = [t.detach().bfloat16().requires_grad_() for t in x64]
+        for name, core in (("PyTorch ops + pinv kernel (=1)", False), ("landmark_core (=all)", True)):
+            fn = lambda *t, core=core: nystrom_fast.landmark_middle(*t, args.iters, "original", True,  # noqa: E731
+                                                                    "tf32", core_kernel=core)
+            out = fn(*xs)
+            grads = torch.autograd.grad(out, xs, gout.bfloat16())
+            launches = count_launches(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
+            fwd = bench(lambda: fn(*(t.detach() for t in xs)))
+            both = bench(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
+            errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
+            print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
+
+
+def count_launches(fn):
+    """CUDA kernels one call of fn launches (torch.profiler's device-side events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def pinv_table(args, dev):
     print(f"# pinv iteration ({args.iters} steps, m={args.m}), {torch.cuda.get_device_name(dev)}, "
           f"torch {torch.__version__}")
     print("| matrices | impl | fwd ms | fwd+bwd ms | out err | grad err |")

@@ -556,6 +556,27 @@ def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype):
 
 
 @needs_interpreter
+def test_interp_landmark_core_in_bf16_is_as_accurate_as_the_pytorch_middle():
+    # bf16 landmarks in, bf16 ZW out, fp32 inside: the errors against fp64 are those of the PyTorch ops around the
+    # pinv kernel (NYSTROM_TRITON=1) — bf16 rounding, not the kernel's arithmetic.
+    g = torch.Generator().manual_seed(3)
+    x64 = [torch.randn(4, 2, 16, 16, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3)]
+    gout = torch.randn(4, 2, 16, 16, generator=g, dtype=torch.float64)
+    ref = nystrom_fast.landmark_middle(*x64, 6, "original", False, "ieee")
+    ref_grads = torch.autograd.grad(ref, x64, gout)
+    errors = {}
+    for core in (False, True):
+        xs = [t.detach().bfloat16().requires_grad_() for t in x64]
+        out = nystrom_fast.landmark_middle(*xs, 6, "original", True, "tf32", core_kernel=core)
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out, xs, gout.bfloat16())
+        errors[core] = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)]
+    assert max(errors[True]) < 5e-2
+    for fused, plain in zip(errors[True], errors[False]):
+        assert fused < 1.5 * plain + 1e-3
+
+
+@needs_interpreter
 @pytest.mark.parametrize("uniform", [False, True])
 def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_max(uniform):
     # Z₀ = Aᵀ / max(column sums over the batch): torch.max's backward splits the gradient evenly over every entry

@@ -187,29 +187,33 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
     many programs; and for ``init="original"`` the m × m middle is ``landmark_core`` (2 + 2 launches instead of
     ~30 operators). Otherwise both passes are SDPA (pass 2 on the masked Q), and ``keep`` and ``bias`` are None
     when there is no padding."""
-    dtype = q.dtype
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
     if attention_kernels:
         from .nystrom_triton import landmark_queries_attention
         w = landmark_queries_attention(q_land, k, v, bias)
     else:
         w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=_key_bias(bias))
-    if attention_kernels and init == "original":
-        # The m × m middle — kernel_2, the batch-wide init, the iteration, Z·W — as 2 + 2 launches (fp32 inside).
-        from .nystrom_triton import landmark_core
-        zw = landmark_core(q_land, k_land, w, pinv_iterations, pinv_precision)
-    else:
-        work = torch.promote_types(dtype, torch.float32)
-        # The m × m pieces stay in (at least) fp32 even under autocast: the iteration is not stable in bf16.
-        with torch.autocast(q.device.type, enabled=False):
-            scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (q.shape[-1] ** -0.5)
-            a = torch.softmax(scores, dim=-1)
-            z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
-            zw = (z @ w.to(work)).to(dtype)
+    zw = landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision,
+                         core_kernel=attention_kernels)
     if attention_kernels:
         from .nystrom_triton import landmark_keys_attention
         return landmark_keys_attention(q, keep, k_land, zw)
     return F.scaled_dot_product_attention(q if keep is None else q * keep[:, None, :, None], k_land, zw)
+
+
+def landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False):
+    """pinv(softmax(Q̃K̃ᵀ/√d)) @ W, in W's dtype, computed in ≥ fp32 even under autocast (the iteration is not
+    stable in bf16). ``core_kernel`` (m ≤ 64, ``init="original"``): the Triton ``landmark_core``, 2 + 2 launches;
+    otherwise PyTorch ops around the pinv iteration (a Triton kernel if ``use_triton``)."""
+    if core_kernel and init == "original":
+        from .nystrom_triton import landmark_core
+        return landmark_core(q_land, k_land, w, pinv_iterations, pinv_precision)
+    work = torch.promote_types(w.dtype, torch.float32)
+    with torch.autocast(w.device.type, enabled=False):
+        scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (q_land.shape[-1] ** -0.5)
+        a = torch.softmax(scores, dim=-1)
+        z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
+        return (z @ w.to(work)).to(w.dtype)
 
 
 class _TritonNystrom(torch.autograd.Function):
