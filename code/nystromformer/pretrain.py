@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -320,8 +321,10 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
         if stopping and step < total_steps:
             skipped = " (dev evaluation skipped: `validate` fills it in)" if preempted and dev is not None else ""
             say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
+            _barrier(rt)
             return PREEMPTED_EXIT_CODE
     say(f"pretraining finished: {step} steps; checkpoints in {ckpt_dir}")
+    _barrier(rt)  # every rank past its last collective before any of them tears the process group down
     return 0
 
 
@@ -347,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         if dist.is_initialized():
+            # DDP's reducer holds the process group: free it now (it may sit in a reference cycle) rather than at
+            # interpreter exit, where gloo's worker threads tearing down aborted a rank now and then (SIGABRT,
+            # "terminate called without an active exception", seen in CI's two-process test).
+            gc.collect()
             dist.destroy_process_group()
 
 

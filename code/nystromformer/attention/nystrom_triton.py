@@ -900,7 +900,9 @@ class _LandmarkQueriesAttention(torch.autograd.Function):
 def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                key_bias: torch.Tensor) -> torch.Tensor:
     """``SDPA(q_land, k, v, attn_mask=key_bias[:, None, None, :])``: the m ≤ 64 landmark queries (b, h, m, d) over
-    all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n)."""
+    all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n). A row whose every key carries the
+    bias gives NaN here (SDPA: uniform weights); ``nystrom_fast`` never passes one — it drops the bias for rows
+    without any token."""
     _check()
     if q_land.shape[-2] > MAX_LANDMARKS:
         raise ValueError(f"landmark_queries_attention: at most {MAX_LANDMARKS} landmarks, got {q_land.shape[-2]}")
