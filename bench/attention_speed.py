@@ -11,6 +11,8 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
   fast-triton-fp32  as above in fp32 (what the model runs with attention_fp32: true)
   fast-triton-all[-fp32]  NYSTROM_TRITON=all: also the Triton kernels for both attention passes and the one-node
                  training backward (built after the first H100 measurements)
+  fast-triton[-all]-overlap  the same with NYSTROM_OVERLAP=1: kernel_2 and the pseudo-inverse on a second CUDA
+                 stream beside pass 1, forward and backward
 
 Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
 weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
@@ -41,21 +43,23 @@ from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
-         "fast-triton-all-fp32"]
+         "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
 
 
-def with_triton_mode(mode, fn):
-    """fn with NYSTROM_TRITON=mode during the forward call (the backward follows the forward's choices)."""
+def with_env(env, fn):
+    """fn with the environment variables ``env`` set during the forward call (the backward follows the forward's
+    choices: NYSTROM_TRITON's kernels, NYSTROM_OVERLAP's streams)."""
     def run(*args):
-        old = os.environ.get("NYSTROM_TRITON")
-        os.environ["NYSTROM_TRITON"] = mode
+        old = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         try:
             return fn(*args)
         finally:
-            if old is None:
-                os.environ.pop("NYSTROM_TRITON")
-            else:
-                os.environ["NYSTROM_TRITON"] = old
+            for key, value in old.items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
     return run
 
 
@@ -70,8 +74,9 @@ def make_impl(name, layer):
     if name == "fast-torch":
         return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=False, **kw)
     if name.startswith("fast-triton"):
-        fn = with_triton_mode("all" if "-all" in name else "1",
-                              lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
+        env = {"NYSTROM_TRITON": "all" if "-all" in name else "1",
+               "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0"}
+        fn = with_env(env, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
         return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 

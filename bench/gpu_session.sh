@@ -62,7 +62,7 @@ stage_model() {
       $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) >> "$d/model-512.md"
   done
   timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
-    hf-nystromformer hf-roberta attention-free --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
+    hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
   grep -h -A10 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 

@@ -99,7 +99,10 @@ def main(argv=None):
         args.variant, args.mask = args.child
         return count(args)
     rows = [("softmax (SDPA)", "softmax", "-"), ("nystrom, PyTorch ops", "nystrom", "0"),
-            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all")]
+            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all"),
+            # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
+            ("nystrom, NYSTROM_TRITON=1, NYSTROM_OVERLAP=1", "nystrom", "1+overlap"),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap")]
     print(f"# launches per attention layer, forward + backward, n={args.n}, heads={args.heads}, head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
     print("| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total |")
@@ -107,8 +110,9 @@ def main(argv=None):
     for label, variant, mode in rows:
         cells = []
         for mask in ("ones", "none"):
-            env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=mode if mode != "-" else "0",
-                       NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+            kernels, _, overlap = mode.partition("+")
+            env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
+                       NYSTROM_OVERLAP="1" if overlap else "0", NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
             cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--child", variant, mask]
             if args.verbose:
                 cmd.append("--verbose")

@@ -6,6 +6,7 @@ on CUDA, unpadded full-length batches of random tokens. Models (same size, Model
   nystrom               our model, attn_type nystrom (conv 33, 64 landmarks), attention_fp32 as --attention-fp32
   nystrom-all           the same with NYSTROM_TRITON=all (attention-pass kernels, one-node backward)
   nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
+  nystrom[-all]-overlap the same with NYSTROM_OVERLAP=1 (kernel_2 and the pseudo-inverse on a second CUDA stream)
   softmax               our model, attn_type softmax (SDPA)
   hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
   hf-roberta            transformers.RobertaForMaskedLM with SDPA, same size: the softmax baseline issue #6 quotes
@@ -40,7 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
 
-MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free"]
+MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
+          "nystrom-overlap", "nystrom-all-overlap"]
+# The switches each of our Nyström variants runs under (set for its build and steps, cleared after)
+ENV = {"nystrom-all": {"NYSTROM_TRITON": "all"}, "nystrom-reference": {"NYSTROM_IMPL": "reference"},
+       "nystrom-overlap": {"NYSTROM_OVERLAP": "1"}, "nystrom-all-overlap": {"NYSTROM_TRITON": "all",
+                                                                          "NYSTROM_OVERLAP": "1"}}
+SWITCHES = ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP")
 HF_MODELS = ("hf-nystromformer", "hf-roberta")
 
 
@@ -132,12 +139,9 @@ def main(argv=None):
                       attention_fp32=args.attention_fp32 == "true")
     rows, breakdowns = {}, {}
     for name in args.models:
-        os.environ.pop("NYSTROM_IMPL", None)
-        os.environ.pop("NYSTROM_TRITON", None)
-        if name == "nystrom-reference":
-            os.environ["NYSTROM_IMPL"] = "reference"
-        if name == "nystrom-all":
-            os.environ["NYSTROM_TRITON"] = "all"
+        for key in SWITCHES:
+            os.environ.pop(key, None)
+        os.environ.update(ENV.get(name, {}))
         try:
             torch.manual_seed(0)
             model, is_hf = build(name, cfg, device)
@@ -173,8 +177,8 @@ def main(argv=None):
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    os.environ.pop("NYSTROM_IMPL", None)
-    os.environ.pop("NYSTROM_TRITON", None)
+    for key in SWITCHES:
+        os.environ.pop(key, None)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
           f"attention_fp32={args.attention_fp32}, compile={args.compile}, padding_mask={args.padding_mask}, "

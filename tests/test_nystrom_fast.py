@@ -102,6 +102,25 @@ def test_fused_path_fp32_close_to_reference_fp64():
     assert out.dtype == torch.float32 and rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("n,m,conv,init,pad", [CASES[1], CASES[2], CASES[3]])
+def test_split_middle_for_the_side_stream_is_the_same_function(n, m, conv, init, pad, monkeypatch):
+    # NYSTROM_OVERLAP=1: Z = pinv(kernel_2) apart from Z·W (on CUDA on a second stream; here on one)
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1")
+    monkeypatch.setattr(nystrom_fast, "landmark_middle", None)   # the fused middle must not be called
+    att = layer(m, conv, init)
+    qkv, mask = inputs(2, n, pad=pad, seed=n + m)
+    compare(att, qkv, mask, use_triton=False, tol=FP64_TOL)
+    compare(att, qkv, torch.ones_like(mask), use_triton=False, tol=FP64_TOL, fast_mask=None)
+
+
+def test_overlap_switch_rejects_unknown_values(monkeypatch):
+    monkeypatch.delenv("NYSTROM_OVERLAP", raising=False)
+    assert nystrom_fast.overlap_mode() is False   # off until a GPU session has timed it
+    monkeypatch.setenv("NYSTROM_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="NYSTROM_OVERLAP"):
+        nystrom_fast.overlap_mode()
+
+
 def test_all_padding_row_stays_finite_and_matches():
     att = layer(8, 5)
     qkv, mask = inputs(2, 40, pad=(0, 40), seed=5)
@@ -284,6 +303,18 @@ def test_interp_whole_fast_path_with_triton(n, m, conv, init, pad):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("n,m,conv,init,pad", [CASES[2], CASES[3]])
+def test_interp_split_middle_for_the_side_stream_with_triton(n, m, conv, init, pad, monkeypatch):
+    # NYSTROM_OVERLAP=1 with the kernels: =1 the PyTorch ops + pinv kernel, =all landmark_pinv (the core without
+    # Z·W), in training through the one-node backward
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1")
+    monkeypatch.setattr(nystrom_fast, "landmark_middle", None)
+    att = layer(m, conv, init)
+    qkv, mask = inputs(2, n, pad=pad, seed=n + m)
+    compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n,m,conv,init", NO_PADDING_CASES)
 def test_interp_mask_none_is_the_all_ones_mask_with_triton(n, m, conv, init):
     att = layer(m, conv, init)
@@ -348,6 +379,23 @@ def test_gpu_fp32_close(impl, monkeypatch):
     err, grad_errs = _gpu_case(torch.float32, _gpu_impl(impl, monkeypatch))
     # SDPA in fp32 may use TF32 off by default; 1e-4 leaves room for reordered sums (METHOD.md: fp32 << 1e-3)
     assert err <= 1e-4 and max(grad_errs) <= 1e-3, (err, grad_errs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", ["torch", "triton", "triton-all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_pinv_on_a_side_stream_keeps_the_function(impl, dtype, monkeypatch):
+    # NYSTROM_OVERLAP=1: kernel_2 and the iteration on a second stream, forward and backward; repeated, so a
+    # missing wait between the streams (a race) would show as a wrong output or gradient in some run
+    use_triton = _gpu_impl(impl, monkeypatch)
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1")
+    nystrom_fast._SIDE_STREAMS.clear()
+    tol = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-3)
+    for n in (1000, 4096, 1000):
+        err, grad_errs = _gpu_case(dtype, use_triton, n=n)
+        assert err <= tol[0] and max(grad_errs) <= tol[1], (n, err, grad_errs)
+    assert nystrom_fast._SIDE_STREAMS, "no side stream was used"
 
 
 @pytest.mark.gpu
@@ -421,7 +469,9 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
              nt._conv_weight_grad: (v, keep, q, 5),
              nt._core_stats: (q_land, k_land),
              nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee"),
-             nt._core_backward: (q_land, k_land, zw, stat, cols, r(2, 2, 8, 16), 3, "ieee")}
+             nt._core_backward: (q_land, k_land, zw, stat, cols, r(2, 2, 8, 16), 3, "ieee"),
+             nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee"),
+             nt._core_pinv_backward: (q_land, k_land, stat, cols, r(2, 2, 8, 8), 3, "ieee")}
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
 
@@ -553,6 +603,21 @@ def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype):
     assert ref.shape == w.shape
     _same_function_and_gradients(nystrom_triton.landmark_core(q_land, k_land, w, 6), ref, (q_land, k_land, w),
                                  dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("b,h,m,d,dtype", [(2, 3, 8, 16, torch.float64), (1, 2, 7, 12, torch.float64),
+                                           (2, 2, 64, 64, torch.float64), (2, 3, 20, 16, torch.float32)])
+def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d, dtype):
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(m * b + 1)
+    q_land, k_land, w = (_random(b, h, m, d, dtype=dtype, g=g) for _ in range(3))
+    z = nystrom_triton.landmark_pinv(q_land, k_land, 6)
+    assert z.shape == (b, h, m, m) and z.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    _same_function_and_gradients(nystrom_fast.times_w(z, w), _landmark_middle(q_land, k_land, w),
+                                 (q_land, k_land, w), dtype)
+    core = nystrom_triton.landmark_core(q_land, k_land, w, 6)
+    assert rel(nystrom_fast.times_w(z, w), core) < (1e-13 if dtype == torch.float64 else 1e-5)
 
 
 @needs_interpreter

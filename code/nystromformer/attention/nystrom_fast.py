@@ -34,6 +34,7 @@ training backward, which are tested on CPU only so far.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -188,13 +189,25 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
     ~30 operators). Otherwise both passes are SDPA (pass 2 on the masked Q), and ``keep`` and ``bias`` are None
     when there is no padding."""
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
+    core_kernel = attention_kernels and init == "original"
+    split = overlap_mode()
+    side = _fork(q_land) if split else None  # before pass 1 is queued, or the side stream would wait for it
     if attention_kernels:
         from .nystrom_triton import landmark_queries_attention
         w = landmark_queries_attention(q_land, k, v, bias)
     else:
         w = F.scaled_dot_product_attention(q_land, k, v, attn_mask=_key_bias(bias))
-    zw = landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision,
-                         core_kernel=attention_kernels)
+    if split:
+        # Z needs only the landmarks: on the side stream it runs beside pass 1, and (autograd runs each backward
+        # op on its forward's stream) its backward beside pass 1's. Made after pass 1, so autograd's ready queue
+        # (latest node first) queues the long iteration's backward before pass 1's.
+        with _on(side):
+            z = landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision, core_kernel)
+        _join(side, z, reads=(q_land, k_land))
+        zw = times_w(z, w)
+    else:
+        zw = landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision,
+                             core_kernel=attention_kernels)
     if attention_kernels:
         from .nystrom_triton import landmark_keys_attention
         return landmark_keys_attention(q, keep, k_land, zw)
@@ -208,12 +221,71 @@ def landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_p
     if core_kernel and init == "original":
         from .nystrom_triton import landmark_core
         return landmark_core(q_land, k_land, w, pinv_iterations, pinv_precision)
-    work = torch.promote_types(w.dtype, torch.float32)
-    with torch.autocast(w.device.type, enabled=False):
+    return times_w(landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision), w)
+
+
+def landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False):
+    """Z = pinv(softmax(Q̃K̃ᵀ/√d)), (b, h, m, m) in ≥ fp32 (autocast off); ``core_kernel``: the Triton
+    ``landmark_pinv`` (the core's kernels without the product with W)."""
+    if core_kernel and init == "original":
+        from . import nystrom_triton
+        return nystrom_triton.landmark_pinv(q_land, k_land, pinv_iterations, pinv_precision)
+    work = torch.promote_types(q_land.dtype, torch.float32)
+    with torch.autocast(q_land.device.type, enabled=False):
         scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (q_land.shape[-1] ** -0.5)
         a = torch.softmax(scores, dim=-1)
-        z = pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
-        return (z @ w.to(work)).to(w.dtype)
+        return pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
+
+
+def times_w(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Z @ W in Z's (≥ fp32) dtype, returned in W's."""
+    with torch.autocast(w.device.type, enabled=False):
+        return (z @ w.to(z.dtype)).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- side stream
+OVERLAP_MODES = ("0", "1")
+_SIDE_STREAMS: dict = {}
+
+
+def overlap_mode() -> bool:
+    """``NYSTROM_OVERLAP=1``: compute Z = pinv(kernel_2) apart from Z·W, on a second CUDA stream beside pass 1,
+    forward and backward. Pays where pass 1 leaves SMs idle and the iteration's few long programs are on the
+    critical path: long n, small batch (at 65,536 tokens and batch 1, 12 matrices took ~1 ms fwd+bwd on the
+    H100). Default 0 until a GPU session has timed it. On CPU (and under torch.compile or CUDA-graph capture)
+    the split form runs on one stream: same function."""
+    mode = os.environ.get("NYSTROM_OVERLAP", "0")
+    if mode not in OVERLAP_MODES:
+        raise ValueError(f"NYSTROM_OVERLAP: expected one of {', '.join(OVERLAP_MODES)}, got {mode!r}")
+    return mode == "1"
+
+
+def _fork(x: torch.Tensor):
+    """A side stream of x's device that waits for the current stream's work so far, or None where streams are
+    not used (CPU; torch.compile, which would need to trace them; graph capture, kept to one stream)."""
+    if not x.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    side = _SIDE_STREAMS.get(x.device)
+    if side is None:
+        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    return side
+
+
+def _on(side):
+    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+
+def _join(side, out: torch.Tensor, reads):
+    """The current stream waits for the side stream; the caching allocator is told which tensors cross streams
+    (inputs made here and read there, the output made there and used here), so none is reused too early."""
+    if side is None:
+        return
+    main = torch.cuda.current_stream(out.device)
+    main.wait_stream(side)
+    for t in reads:
+        t.record_stream(side)
+    out.record_stream(main)
 
 
 class _TritonNystrom(torch.autograd.Function):

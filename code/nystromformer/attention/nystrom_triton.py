@@ -282,7 +282,9 @@ if triton is not None:
     @triton.jit
     def _core_fwd_kernel(QL, KL, W, STAT, ZW, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
-                         OUTER: tl.constexpr, IS_F64: tl.constexpr):
+                         OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr):
+        # HAS_W: ZW = Z·W (m × d); otherwise Z itself (m × m, W unused), for Z·W computed later — the split form
+        # that lets the iteration run on a second stream while pass 1 computes W.
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -290,15 +292,19 @@ if triton is not None:
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
         for _ in range(ITERS):
             z = _pinv_step(a, z, eye, PREC)
-        w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
-        _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+        if HAS_W:
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+            _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+        else:
+            _store_landmark_tile(ZW, bh, z, M, M, BLOCK, BLOCK)
 
     @triton.jit
     def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, scale, ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
-                         PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
+                         PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr):
         # dW, and dL/dA except the batch max's share: DA (BLOCK² per matrix), DDIV = dL/d(max) from this matrix,
         # NTIE = how many of its column sums equal the max (the next kernel splits the summed DDIV over them).
+        # HAS_W: G = dL/d(Z·W) (m × d); otherwise G = dL/dZ (m × m) and W, DW are unused.
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -307,10 +313,14 @@ if triton is not None:
         square = r[:, None] * BLOCK + r[None, :]
         zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
         z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
-        w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
-        g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
-        _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
-        da, dz0 = _pinv_reverse(a, tl.dot(g, tl.trans(w), input_precision=OUTER), eye, zs, ITERS, BLOCK, PREC)
+        if HAS_W:
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+            g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+            _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+            dz = tl.dot(g, tl.trans(w), input_precision=OUTER)
+        else:
+            dz = _to_work(_landmark_tile(G, bh, M, M, BLOCK, BLOCK), IS_F64)
+        da, dz0 = _pinv_reverse(a, dz, eye, zs, ITERS, BLOCK, PREC)
         tl.store(DA + bh.to(tl.int64) * BLOCK * BLOCK + square, da + tl.trans(dz0) / div)
         tl.store(DDIV + bh, -tl.sum(tl.sum(dz0 * tl.trans(a), axis=1), axis=0) / (div * div))  # Z₀ not kept live
         colsum = tl.load(COLS + bh.to(tl.int64) * M + r, mask=r < M, other=float("-inf"))
@@ -746,15 +756,42 @@ def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tenso
     return stat, cols
 
 
+def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w):
+    b, h, m, d = q_land.shape
+    out = (torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else
+           torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
+    _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
+                               m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, num_warps=_core_warps(m),
+                               **_core_consts(q_land, precision))
+    return out
+
+
+def _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w):
+    b, h, m, d = q_land.shape
+    c = _core_consts(q_land, precision)
+    q_land, k_land = q_land.contiguous(), k_land.contiguous()
+    work = stat.dtype
+    block = c["BLOCK"]
+    dw = torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else None
+    da = torch.empty(b * h, block, block, device=g.device, dtype=work)
+    ddiv = torch.empty(b * h, device=g.device, dtype=work)
+    ntie = torch.empty_like(ddiv)
+    scratch = torch.empty(b * h, iters, block, block, device=g.device, dtype=work)
+    g = g.contiguous() if has_w else g.to(work).contiguous()
+    _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous() if has_w else g, stat, cols, g,
+                               dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
+                               HAS_W=has_w, num_warps=_core_warps(m), **c)
+    dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
+    c.pop("PREC")
+    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
+                                       d ** -0.5, num_warps=_core_warps(m), **c)
+    return dq_land, dk_land, dw
+
+
 @_opaque(lambda q_land, k_land, w, stat, iters, precision: w.new_empty(w.shape))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
                   precision: str) -> torch.Tensor:
-    b, h, m, d = q_land.shape
-    zw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
-    _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous(), stat, zw, m, d, b * h,
-                               d ** -0.5, ITERS=iters, num_warps=_core_warps(m),
-                               **_core_consts(q_land, precision))
-    return zw
+    return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True)
 
 
 @_opaque(lambda q_land, k_land, w, stat, cols, g, iters, precision: (q_land.new_empty(q_land.shape),
@@ -763,23 +800,20 @@ def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, s
 def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
                    cols: torch.Tensor, g: torch.Tensor, iters: int,
                    precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, h, m, d = q_land.shape
-    c = _core_consts(q_land, precision)
-    q_land, k_land = q_land.contiguous(), k_land.contiguous()
-    work = stat.dtype
-    block = c["BLOCK"]
-    dw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
-    da = torch.empty(b * h, block, block, device=w.device, dtype=work)
-    ddiv = torch.empty(b * h, device=w.device, dtype=work)
-    ntie = torch.empty_like(ddiv)
-    scratch = torch.empty(b * h, iters, block, block, device=w.device, dtype=work)
-    _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous(), stat, cols, g.contiguous(), dw, da, ddiv, ntie,
-                               scratch, m, d, b * h, d ** -0.5, ITERS=iters, num_warps=_core_warps(m), **c)
-    dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
-    c.pop("PREC")
-    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
-                                       d ** -0.5, num_warps=_core_warps(m), **c)
-    return dq_land, dk_land, dw
+    return _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w=True)
+
+
+@_opaque(lambda q_land, k_land, stat, iters, precision: stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]))
+def _core_pinv_forward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, iters: int,
+                       precision: str) -> torch.Tensor:
+    return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False)
+
+
+@_opaque(lambda q_land, k_land, stat, cols, g, iters, precision: (q_land.new_empty(q_land.shape),
+                                                                  k_land.new_empty(k_land.shape)))
+def _core_pinv_backward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, cols: torch.Tensor,
+                        g: torch.Tensor, iters: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _core_reverse(q_land, k_land, None, stat, cols, g, iters, precision, has_w=False)[:2]
 
 
 class _LandmarkCore(torch.autograd.Function):
@@ -796,6 +830,27 @@ class _LandmarkCore(torch.autograd.Function):
         return *_core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None
 
 
+class _LandmarkPinv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_land, k_land, iters, precision):
+        stat, cols = _core_stats(q_land, k_land)
+        ctx.save_for_backward(q_land, k_land, stat, cols)
+        ctx.iters, ctx.precision = iters, precision
+        return _core_pinv_forward(q_land, k_land, stat, iters, precision)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        return *_core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None
+
+
+def _check_core(name: str, q_land: torch.Tensor):
+    _check()
+    if q_land.shape[-2] > MAX_LANDMARKS or q_land.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: at most {MAX_LANDMARKS} landmarks and head_dim {MAX_HEAD_DIM}, got "
+                         f"{tuple(q_land.shape)}")
+
+
 def landmark_core(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, iters: int,
                   precision: str = "tf32x3") -> torch.Tensor:
     """``pinv(softmax(Q̃ K̃ᵀ / √d)) @ W`` for landmarks (b, h, m, d), m ≤ 64, with the paper's
@@ -805,12 +860,16 @@ def landmark_core(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, i
     the iteration's ``input_precision`` as for ``pinv_iterate``; the products around it are near fp32 ("tf32x3").
     The result has W's dtype. Gradients as autograd's through the PyTorch composition, including torch.max's even
     split over tied column sums (``tests/test_nystrom_fast.py``)."""
-    _check()
-    m = q_land.shape[-2]
-    if m > MAX_LANDMARKS or q_land.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"landmark_core: at most {MAX_LANDMARKS} landmarks and head_dim {MAX_HEAD_DIM}, got "
-                         f"{tuple(q_land.shape)}")
+    _check_core("landmark_core", q_land)
     return _LandmarkCore.apply(q_land, k_land, w, iters, precision)
+
+
+def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precision: str = "tf32x3") -> torch.Tensor:
+    """``pinv(softmax(Q̃ K̃ᵀ / √d))`` alone, (b, h, m, m) in fp32 (fp64 for fp64 inputs): ``landmark_core``
+    without the product with W, which the caller makes. It does not need W, so it can run while pass 1 computes
+    W (``nystrom_fast``'s side stream); same kernels, same launches, same numerics for Z."""
+    _check_core("landmark_pinv", q_land)
+    return _LandmarkPinv.apply(q_land, k_land, iters, precision)
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
@@ -876,8 +935,8 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
     dv = torch.empty_like(v)
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
     _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), g,
-                                   lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n, m, d,
-                                   d ** -0.5, TILES=tiles, num_warps=8, **c)
+                                   lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n,
+                                   m, d, d ** -0.5, TILES=tiles, num_warps=8, **c)
     return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
 
 
