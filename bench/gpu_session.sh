@@ -13,7 +13,8 @@
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
 #   bash bench/gpu_session.sh check attention model profile     # several, in order
 #
-# Each stage runs under its own time limit (STAGE_LIMIT seconds, default 300; LISTOPS_LIMIT for listops) and a
+# Each command runs under STAGE_LIMIT seconds (default 300; LISTOPS_LIMIT for listops) and within SESSION_LIMIT
+# (default 570) of the start, skipped when under 30 s are left, so split long plans over several calls; a
 # failing stage does not stop the next. Results go to $RESULTS (default /tmp/gpu-results), one folder per stage,
 # and are packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files) with the log $OUT/session.log.
 # Record what the tables say, with the device line they print, in docs/performance.md / docs/efficiency.md /
@@ -26,6 +27,14 @@ mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 limit=${STAGE_LIMIT:-300}
+# The device tool stops a call at 600 s: every command gets at most what is left of SESSION_LIMIT (default 570 s
+# from the start), so the last stage ends on its own and its table is written, rather than being cut off unseen.
+session_end=$(( $(date +%s) + ${SESSION_LIMIT:-570} ))
+limited() {
+  local left=$(( session_end - $(date +%s) ))
+  if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
+  timeout "$(( left < limit ? left : limit ))" "$@"
+}
 [ $# -gt 0 ] || { echo "stages: check pinv middle attention model compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
@@ -33,35 +42,35 @@ stage_check() {
   local d=$RESULTS/check; mkdir -p "$d"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
-  timeout "$limit" "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
+  limited "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
     tests/test_model.py 2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
 }
 
 stage_pinv() {
   local d=$RESULTS/pinv; mkdir -p "$d"
-  timeout "$limit" "$python" bench/pinv_speed.py | tee "$d/pinv.md"
+  limited "$python" bench/pinv_speed.py | tee "$d/pinv.md"
 }
 
 stage_middle() {
   local d=$RESULTS/middle; mkdir -p "$d"
-  timeout "$limit" "$python" bench/pinv_speed.py --middle-only | tee "$d/middle.md"
+  limited "$python" bench/pinv_speed.py --middle-only | tee "$d/middle.md"
 }
 
 stage_attention() {
   local d=$RESULTS/attention; mkdir -p "$d"
-  timeout "$limit" "$python" bench/attention_speed.py --check --csv "$d/attention.csv" --plot "$d/attention_speed.png" \
+  limited "$python" bench/attention_speed.py --check --csv "$d/attention.csv" --plot "$d/attention_speed.png" \
     --kernels fast-triton fast-triton-all > "$d/attention.md"
   sed -n '1,/^$/p' "$d/attention.md"
-  timeout "$limit" "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
+  limited "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
 }
 
 stage_model() {
   local d=$RESULTS/model; mkdir -p "$d"
   for fp32 in true false; do
-    timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
+    limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
       $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) >> "$d/model-512.md"
   done
-  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
+  limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
     hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
   grep -h -A10 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
@@ -69,16 +78,16 @@ stage_model() {
 stage_compile() {
   # CUDA graphs against the host-bound step (docs/performance.md); baselines uncompiled, as transformers ships them.
   local d=$RESULTS/compile; mkdir -p "$d"
-  timeout "$limit" "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false \
+  limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false \
     --compile reduce-overhead --models nystrom nystrom-all softmax attention-free hf-roberta > "$d/model-512.md"
-  timeout "$limit" "$python" bench/model_speed.py --seq-len 4096 --batch 4 --attention-fp32 false \
+  limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --attention-fp32 false \
     --compile reduce-overhead --models nystrom nystrom-all softmax attention-free hf-roberta > "$d/model-4096.md"
   grep -h -A9 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 
 stage_profile() {
   local d=$RESULTS/profile; mkdir -p "$d"
-  timeout "$limit" "$python" bench/efficiency_profile.py --device cuda --num-head 12 --head-dim 64 --max-length 32768 \
+  limited "$python" bench/efficiency_profile.py --device cuda --num-head 12 --head-dim 64 --max-length 32768 \
     --csv "$d/efficiency.csv" --plot "$d/efficiency_gpu.png" | tee "$d/efficiency.md"
 }
 
