@@ -6,7 +6,8 @@ the relative error of the output and of the gradient against float64. One table,
 
 A second table times the whole landmark middle, pinv(softmax(Q̃K̃ᵀ/√d)) @ W from bf16 landmarks (what sits between
 the two attention passes): PyTorch ops around the pinv kernel (``NYSTROM_TRITON=1``) against the fused
-``landmark_core`` kernels (``=all``), with the launches each makes.
+``landmark_core`` kernels (``=all``) — with the backward replaying the forward and with the forward keeping its
+iterates (``CORE_KEEP_MAX``), and split as ``NYSTROM_OVERLAP=1`` runs it — with the launches each makes.
 
     python bench/pinv_speed.py                    # CUDA
     python bench/pinv_speed.py --matrices 1536 --m 64 --precisions tf32 --warps 8,8
@@ -71,9 +72,14 @@ def middle_table(args, dev, d=64):
         ref = nystrom_fast.landmark_middle(*x64, args.iters, "original", False, "ieee")
         ref_grads = torch.autograd.grad(ref, x64, gout)
         xs = [t.detach().bfloat16().requires_grad_() for t in x64]
-        for name, core in (("PyTorch ops + pinv kernel (=1)", False), ("landmark_core (=all)", True)):
-            fn = lambda *t, core=core: nystrom_fast.landmark_middle(*t, args.iters, "original", True,  # noqa: E731
-                                                                    "tf32", core_kernel=core)
+        for name, core, keep_max, split in MIDDLES:
+            nystrom_triton.CORE_KEEP_MAX = keep_max if keep_max is not None else bsz
+            if split:  # NYSTROM_OVERLAP=1's form (here on one stream): Z from the core's kernels, then a bmm
+                fn = lambda *t: nystrom_fast.times_w(  # noqa: E731
+                    nystrom_fast.landmark_pinv(t[0], t[1], args.iters, "original", True, "tf32", True), t[2])
+            else:
+                fn = lambda *t, core=core: nystrom_fast.landmark_middle(  # noqa: E731
+                    *t, args.iters, "original", True, "tf32", core_kernel=core)
             out = fn(*xs)
             grads = torch.autograd.grad(out, xs, gout.bfloat16())
             launches = count_launches(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
@@ -81,6 +87,16 @@ def middle_table(args, dev, d=64):
             both = bench(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
             errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
             print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
+    nystrom_triton.CORE_KEEP_MAX = KEEP_MAX_DEFAULT
+
+
+KEEP_MAX_DEFAULT = nystrom_triton.CORE_KEEP_MAX
+# (row, landmark_core?, CORE_KEEP_MAX for the row — 0: the backward replays the forward, None: the forward keeps
+# its iterates whatever the count —, split Z / Z·W as with NYSTROM_OVERLAP=1?)
+MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False),
+           ("landmark_core (=all), backward replays", True, 0, False),
+           ("landmark_core (=all), iterates kept", True, None, False),
+           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True)]
 
 
 def count_launches(fn):

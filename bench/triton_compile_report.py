@@ -80,20 +80,28 @@ def configs(dt: str, prec: str, wide: bool):
            dict(**core, COLS="*fp32", STAT="*fp32", M=I32, D=I32, scale="fp32"),
            dict(BLOCK=64, BLOCK_D=64, PREC="tf32x3", IS_F64=False), 4)
     yield ("landmark core forward", nt._core_fwd_kernel,
-           dict(**core, W=p, STAT="*fp32", ZW=p, M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True), nt.CORE_WARPS)
+           dict(**core, W=p, STAT="*fp32", ZW=p, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEEP=False), nt.CORE_WARPS)
     # landmark_pinv (NYSTROM_OVERLAP=1): the same kernels writing Z / reading dL/dZ, fp32 m × m
     yield ("landmark pinv forward", nt._core_fwd_kernel,
-           dict(**core, W="*fp32", STAT="*fp32", ZW="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False), nt.CORE_WARPS)
+           dict(**core, W="*fp32", STAT="*fp32", ZW="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False, KEEP=False), nt.CORE_WARPS)
     yield ("landmark pinv backward", nt._core_bwd_kernel,
            dict(**core, W="*fp32", STAT="*fp32", COLS="*fp32", G="*fp32", DW="*fp32", DA="*fp32", DDIV="*fp32",
                 NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False), nt.CORE_WARPS)
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False, KEPT=False), nt.CORE_WARPS)
     yield ("landmark core backward", nt._core_bwd_kernel,
            dict(**core, W=p, STAT="*fp32", COLS="*fp32", G=p, DW=p, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
                 ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True), nt.CORE_WARPS)
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEPT=False), nt.CORE_WARPS)
+    # few matrices (≤ CORE_KEEP_MAX): the forward keeps its iterates, the backward does not replay it
+    yield ("landmark core forward, keeping iterates", nt._core_fwd_kernel,
+           dict(**core, W=p, STAT="*fp32", ZW=p, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEEP=True), nt.CORE_WARPS)
+    yield ("landmark core backward, from kept iterates", nt._core_bwd_kernel,
+           dict(**core, W=p, STAT="*fp32", COLS="*fp32", G=p, DW=p, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
+                ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEPT=True), nt.CORE_WARPS)
     yield ("landmark core softmax backward", nt._core_softmax_bwd_kernel,
            dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=p, DKL=p, M=I32,
                 D=I32, NBH=I32, scale="fp32"),

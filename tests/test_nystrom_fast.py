@@ -396,6 +396,23 @@ def test_gpu_pinv_on_a_side_stream_keeps_the_function(impl, dtype, monkeypatch):
         err, grad_errs = _gpu_case(dtype, use_triton, n=n)
         assert err <= tol[0] and max(grad_errs) <= tol[1], (n, err, grad_errs)
     assert nystrom_fast._SIDE_STREAMS, "no side stream was used"
+    # The side stream made late on purpose (~20 ms of sleep queued before its forward work): without the join the
+    # main stream would read Z before it is written, and the output would be wrong
+    on = nystrom_fast._on
+
+    def late(side):
+        ctx = on(side)
+
+        class Late:
+            def __enter__(self):
+                ctx.__enter__()
+                torch.cuda._sleep(40_000_000)
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+        return Late()
+    monkeypatch.setattr(nystrom_fast, "_on", late)
+    err, grad_errs = _gpu_case(dtype, use_triton, n=1000)
+    assert err <= tol[0] and max(grad_errs) <= tol[1], ("late side stream", err, grad_errs)
 
 
 @pytest.mark.gpu
@@ -456,6 +473,8 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
     a = torch.softmax(r(2, 2, 8, 8), -1)
     out, lse, _ = nt._lq_forward(q_land, k, v, keep * 0)
     stat, cols = nt._core_stats(q_land, k_land)
+    _, kept = nt._core_forward(q_land, k_land, zw, stat, 3, "ieee")          # 4 matrices: iterates kept
+    replay = kept.new_empty(0)                                               # the backward replays instead
     cases = {nt._pinv_forward: (a, a.transpose(-1, -2), 3, "ieee", 0),
              nt._pinv_backward: (a, a.transpose(-1, -2).contiguous(), r(2, 2, 8, 8), 3, "ieee", 0),
              nt._lq_forward: (q_land, k, v, keep * 0),
@@ -469,10 +488,13 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
              nt._conv_weight_grad: (v, keep, q, 5),
              nt._core_stats: (q_land, k_land),
              nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee"),
-             nt._core_backward: (q_land, k_land, zw, stat, cols, r(2, 2, 8, 16), 3, "ieee"),
+             nt._core_backward: (q_land, k_land, zw, stat, cols, kept, r(2, 2, 8, 16), 3, "ieee"),
              nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee"),
-             nt._core_pinv_backward: (q_land, k_land, stat, cols, r(2, 2, 8, 8), 3, "ieee")}
+             nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee")}
     for fn, args in cases.items():
+        torch.library.opcheck(fn.op, args)
+    for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee")),
+                     (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee"))):
         torch.library.opcheck(fn.op, args)
 
 
@@ -618,6 +640,34 @@ def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d,
                                  (q_land, k_land, w), dtype)
     core = nystrom_triton.landmark_core(q_land, k_land, w, 6)
     assert rel(nystrom_fast.times_w(z, w), core) < (1e-13 if dtype == torch.float64 else 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("iters", [6, 1, 0])
+def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters, monkeypatch):
+    # Up to CORE_KEEP_MAX matrices the forward keeps its iterates and the backward does not replay the forward:
+    # the same products in the same order, so the same numbers (and iters = 0, 1 at the edges of the loops).
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(iters)
+    q_land, k_land, w = (_random(2, 3, 20, 16, dtype=torch.float64, g=g) for _ in range(3))
+    gout = torch.randn(2, 3, 20, 20 if split else 16, generator=g, dtype=torch.float64)
+    results = []
+    for keep_max in (nystrom_triton.CORE_KEEP_MAX, 0):
+        monkeypatch.setattr(nystrom_triton, "CORE_KEEP_MAX", keep_max)
+        _, zs = nystrom_triton._core_forward(q_land, k_land, w, nystrom_triton._core_stats(q_land, k_land)[0],
+                                             iters, "ieee")
+        assert zs.shape == ((6, iters, 32, 32) if keep_max and iters else (0,))   # 20 landmarks: 32² blocks
+        params = [t.clone().requires_grad_() for t in (q_land, k_land, w)]
+        out = (nystrom_triton.landmark_pinv(*params[:2], iters) if split else
+               nystrom_triton.landmark_core(*params, iters))
+        used = params[:2] if split else params
+        results.append([out] + list(torch.autograd.grad(out, used, gout)))
+    for kept, replayed in zip(*results):
+        assert torch.equal(kept, replayed)
+    ref = _landmark_middle(q_land, k_land, w, iters) if not split else None
+    if ref is not None:
+        assert rel(results[0][0], ref) < FP64_TOL
 
 
 @needs_interpreter

@@ -201,8 +201,11 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         # Z needs only the landmarks: on the side stream it runs beside pass 1, and (autograd runs each backward
         # op on its forward's stream) its backward beside pass 1's. Made after pass 1, so autograd's ready queue
         # (latest node first) queues the long iteration's backward before pass 1's.
+        # Views made here, so autograd nodes on this stream receive the side stream's gradients of the landmarks
+        # (a leaf first used on the side stream would get its gradient accumulator there: the fused node's are)
+        q_side, k_side = q_land.view_as(q_land), k_land.view_as(k_land)
         with _on(side):
-            z = landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision, core_kernel)
+            z = landmark_pinv(q_side, k_side, pinv_iterations, init, use_triton, pinv_precision, core_kernel)
         _join(side, z, reads=(q_land, k_land))
         zw = times_w(z, w)
     else:
@@ -267,7 +270,8 @@ def _fork(x: torch.Tensor):
         return None
     side = _SIDE_STREAMS.get(x.device)
     if side is None:
-        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+        # high priority: the iteration's few long programs start as soon as an SM frees, not after pass 1's many
+        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device, priority=-1)
     side.wait_stream(torch.cuda.current_stream(x.device))
     return side
 

@@ -280,18 +280,23 @@ if triton is not None:
         tl.store(STAT + bh, tl.max(tl.where(r < M, colsum, float("-inf")), axis=0))
 
     @triton.jit
-    def _core_fwd_kernel(QL, KL, W, STAT, ZW, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    def _core_fwd_kernel(QL, KL, W, STAT, ZW, ZS, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
-                         OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr):
+                         OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr, KEEP: tl.constexpr):
         # HAS_W: ZW = Z·W (m × d); otherwise Z itself (m × m, W unused), for Z·W computed later — the split form
-        # that lets the iteration run on a second stream while pass 1 computes W.
+        # that lets the iteration run on a second stream while pass 1 computes W. KEEP: the iterate entering each
+        # step goes to ZS, so the backward need not replay the forward (few matrices: its latency is the cost).
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
         z = tl.trans(a) / _batch_max(STAT, NBH, BLOCK_S, CHUNKS)            # Z₀ = Aᵀ / max column sum
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
-        for _ in range(ITERS):
-            z = _pinv_step(a, z, eye, PREC)
+        if KEEP:
+            z = _pinv_replay(a, z, eye, ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :],
+                             ITERS, BLOCK, PREC)
+        else:
+            for _ in range(ITERS):
+                z = _pinv_step(a, z, eye, PREC)
         if HAS_W:
             w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
@@ -301,10 +306,12 @@ if triton is not None:
     @triton.jit
     def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, scale, ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
-                         PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr):
+                         PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr,
+                         KEPT: tl.constexpr):
         # dW, and dL/dA except the batch max's share: DA (BLOCK² per matrix), DDIV = dL/d(max) from this matrix,
         # NTIE = how many of its column sums equal the max (the next kernel splits the summed DDIV over them).
-        # HAS_W: G = dL/d(Z·W) (m × d); otherwise G = dL/dZ (m × m) and W, DW are unused.
+        # HAS_W: G = dL/d(Z·W) (m × d); otherwise G = dL/dZ (m × m) and W, DW are unused. KEPT: ZS holds the
+        # forward's iterates (no replay; the final Z, for dW, is one step from the last).
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -312,7 +319,12 @@ if triton is not None:
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
         square = r[:, None] * BLOCK + r[None, :]
         zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
-        z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
+        if KEPT:
+            z = tl.trans(a) / div
+            if ITERS > 0:
+                z = _pinv_step(a, tl.load(zs + (ITERS - 1) * BLOCK * BLOCK), eye, PREC)
+        else:
+            z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
         if HAS_W:
             w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
@@ -726,6 +738,11 @@ CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this m
 # Warps per program of the core's iterating kernels: 8 spill least at 64 × 64 (ptxas, sm_90: forward 0 B at tf32,
 # backward 824 B vs 1,788 at 4 warps, softmax backward 176 vs 600). Not yet timed on a GPU.
 CORE_WARPS = 8
+# Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step (96 KB per
+# matrix at m = 64, 6 steps: 24 MB at 256), and the backward skips replaying the forward — a quarter of its
+# products. That is where the backward's latency is the cost (long n, small batch: 12 matrices at 65,536 tokens
+# took ~1 ms fwd+bwd on the H100, on 12 SMs); with many matrices the GPU is full and memory is worth more.
+CORE_KEEP_MAX = 256
 
 
 def _core_warps(m: int) -> int:
@@ -756,17 +773,27 @@ def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tenso
     return stat, cols
 
 
+def _kept_shape(q_land: torch.Tensor, iters: int) -> tuple:
+    """Where the forward keeps its iterates for the backward: (b·h, iters, block, block) for at most
+    CORE_KEEP_MAX matrices, else (0,) (the backward replays the forward into a scratch buffer of that size)."""
+    nbh = q_land.shape[0] * q_land.shape[1]
+    block = _block(q_land.shape[-2])
+    return (nbh, iters, block, block) if nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
+
+
 def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w):
     b, h, m, d = q_land.shape
+    c = _core_consts(q_land, precision)
     out = (torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else
            torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
+    zs = torch.empty(_kept_shape(q_land, iters), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
-                               m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, num_warps=_core_warps(m),
-                               **_core_consts(q_land, precision))
-    return out
+                               zs, m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
+                               num_warps=_core_warps(m), **c)
+    return out, zs
 
 
-def _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w):
+def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w):
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
@@ -776,11 +803,12 @@ def _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w):
     da = torch.empty(b * h, block, block, device=g.device, dtype=work)
     ddiv = torch.empty(b * h, device=g.device, dtype=work)
     ntie = torch.empty_like(ddiv)
-    scratch = torch.empty(b * h, iters, block, block, device=g.device, dtype=work)
+    kept = zs.numel() > 0
+    scratch = zs if kept else torch.empty(b * h, iters, block, block, device=g.device, dtype=work)
     g = g.contiguous() if has_w else g.to(work).contiguous()
     _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous() if has_w else g, stat, cols, g,
                                dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
-                               HAS_W=has_w, num_warps=_core_warps(m), **c)
+                               HAS_W=has_w, KEPT=kept, num_warps=_core_warps(m), **c)
     dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
     c.pop("PREC")
     _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
@@ -788,41 +816,46 @@ def _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w):
     return dq_land, dk_land, dw
 
 
-@_opaque(lambda q_land, k_land, w, stat, iters, precision: w.new_empty(w.shape))
+@_opaque(lambda q_land, k_land, w, stat, iters, precision: (w.new_empty(w.shape),
+                                                             stat.new_empty(_kept_shape(q_land, iters))))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
-                  precision: str) -> torch.Tensor:
+                  precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z·W, and the iterates kept for the backward (empty beyond CORE_KEEP_MAX matrices)."""
     return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True)
 
 
-@_opaque(lambda q_land, k_land, w, stat, cols, g, iters, precision: (q_land.new_empty(q_land.shape),
-                                                                     k_land.new_empty(k_land.shape),
-                                                                     w.new_empty(w.shape)))
+@_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
+                                                                         k_land.new_empty(k_land.shape),
+                                                                         w.new_empty(w.shape)))
 def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
-                   cols: torch.Tensor, g: torch.Tensor, iters: int,
+                   cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
                    precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _core_reverse(q_land, k_land, w, stat, cols, g, iters, precision, has_w=True)
+    return _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w=True)
 
 
-@_opaque(lambda q_land, k_land, stat, iters, precision: stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]))
+@_opaque(lambda q_land, k_land, stat, iters, precision: (stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]),
+                                                         stat.new_empty(_kept_shape(q_land, iters))))
 def _core_pinv_forward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, iters: int,
-                       precision: str) -> torch.Tensor:
+                       precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False)
 
 
-@_opaque(lambda q_land, k_land, stat, cols, g, iters, precision: (q_land.new_empty(q_land.shape),
-                                                                  k_land.new_empty(k_land.shape)))
+@_opaque(lambda q_land, k_land, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
+                                                                      k_land.new_empty(k_land.shape)))
 def _core_pinv_backward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, cols: torch.Tensor,
-                        g: torch.Tensor, iters: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _core_reverse(q_land, k_land, None, stat, cols, g, iters, precision, has_w=False)[:2]
+                        zs: torch.Tensor, g: torch.Tensor, iters: int,
+                        precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _core_reverse(q_land, k_land, None, stat, cols, zs, g, iters, precision, has_w=False)[:2]
 
 
 class _LandmarkCore(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_land, k_land, w, iters, precision):
         stat, cols = _core_stats(q_land, k_land)
-        ctx.save_for_backward(q_land, k_land, w, stat, cols)
+        zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision)
+        ctx.save_for_backward(q_land, k_land, w, stat, cols, zs)
         ctx.iters, ctx.precision = iters, precision
-        return _core_forward(q_land, k_land, w, stat, iters, precision)
+        return zw
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -834,9 +867,10 @@ class _LandmarkPinv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_land, k_land, iters, precision):
         stat, cols = _core_stats(q_land, k_land)
-        ctx.save_for_backward(q_land, k_land, stat, cols)
+        z, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision)
+        ctx.save_for_backward(q_land, k_land, stat, cols, zs)
         ctx.iters, ctx.precision = iters, precision
-        return _core_pinv_forward(q_land, k_land, stat, iters, precision)
+        return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
