@@ -42,8 +42,11 @@ stage_check() {
   local d=$RESULTS/check; mkdir -p "$d"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
+  # The interpreter and sm_90-compile tests are CPU work that CI runs anyway: not on device time here.
   limited "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
-    tests/test_model.py 2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
+    tests/test_model.py --deselect tests/test_nystrom_fast.py::test_triton_kernels_under_interpreter \
+    --deselect tests/test_nystrom_fast.py::test_every_kernel_compiles_for_hopper_within_its_shared_memory \
+    2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
 }
 
 stage_pinv() {
