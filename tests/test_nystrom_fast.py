@@ -660,7 +660,7 @@ def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters,
         monkeypatch.setattr(nystrom_triton, "CORE_KEEP_MAX", keep_max)
         _, zs = nystrom_triton._core_forward(q_land, k_land, w, nystrom_triton._core_stats(q_land, k_land)[0],
                                              iters, "ieee")
-        assert zs.shape == ((6, iters, 32, 32) if keep_max and iters else (0,))   # 20 landmarks: 32² blocks
+        assert zs.shape == ((6, iters + 1, 32, 32) if keep_max and iters else (0,))   # 20 landmarks: 32² blocks
         params = [t.clone().requires_grad_() for t in (q_land, k_land, w)]
         out = (nystrom_triton.landmark_pinv(*params[:2], iters) if split else
                nystrom_triton.landmark_core(*params, iters))

@@ -291,9 +291,10 @@ if triton is not None:
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
         z = tl.trans(a) / _batch_max(STAT, NBH, BLOCK_S, CHUNKS)            # Z₀ = Aᵀ / max column sum
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
-        if KEEP:
-            z = _pinv_replay(a, z, eye, ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :],
-                             ITERS, BLOCK, PREC)
+        if KEEP:  # ZS: ITERS + 1 blocks per matrix, the last for the final Z (dW needs it)
+            zs = ZS + bh.to(tl.int64) * (ITERS + 1) * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
+            z = _pinv_replay(a, z, eye, zs, ITERS, BLOCK, PREC)
+            tl.store(zs + ITERS * BLOCK * BLOCK, z)
         else:
             for _ in range(ITERS):
                 z = _pinv_step(a, z, eye, PREC)
@@ -311,19 +312,18 @@ if triton is not None:
         # dW, and dL/dA except the batch max's share: DA (BLOCK² per matrix), DDIV = dL/d(max) from this matrix,
         # NTIE = how many of its column sums equal the max (the next kernel splits the summed DDIV over them).
         # HAS_W: G = dL/d(Z·W) (m × d); otherwise G = dL/dZ (m × m) and W, DW are unused. KEPT: ZS holds the
-        # forward's iterates (no replay; the final Z, for dW, is one step from the last).
+        # forward's iterates and final Z (no replay).
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
         div = _batch_max(STAT, NBH, BLOCK_S, CHUNKS)
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
         square = r[:, None] * BLOCK + r[None, :]
-        zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
         if KEPT:
-            z = tl.trans(a) / div
-            if ITERS > 0:
-                z = _pinv_step(a, tl.load(zs + (ITERS - 1) * BLOCK * BLOCK), eye, PREC)
+            zs = ZS + bh.to(tl.int64) * (ITERS + 1) * BLOCK * BLOCK + square
+            z = tl.load(zs + ITERS * BLOCK * BLOCK)
         else:
+            zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
             z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
         if HAS_W:
             w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
@@ -738,9 +738,9 @@ CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this m
 # Warps per program of the core's iterating kernels: 8 spill least at 64 × 64 (ptxas, sm_90: forward 0 B at tf32,
 # backward 824 B vs 1,788 at 4 warps, softmax backward 176 vs 600). Not yet timed on a GPU.
 CORE_WARPS = 8
-# Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step (96 KB per
-# matrix at m = 64, 6 steps: 24 MB at 256), and the backward skips replaying the forward — a quarter of its
-# products. That is where the backward's latency is the cost (long n, small batch: 12 matrices at 65,536 tokens
+# Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step and the final
+# Z (112 KB per matrix at m = 64, 6 steps: 28 MB at 256), and the backward skips replaying the forward — a
+# quarter of its products. That is where the backward's latency is the cost (long n, small batch: 12 matrices at 65,536 tokens
 # took ~1 ms fwd+bwd on the H100, on 12 SMs); with many matrices the GPU is full and memory is worth more.
 CORE_KEEP_MAX = 256
 
@@ -774,11 +774,12 @@ def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _kept_shape(q_land: torch.Tensor, iters: int) -> tuple:
-    """Where the forward keeps its iterates for the backward: (b·h, iters, block, block) for at most
-    CORE_KEEP_MAX matrices, else (0,) (the backward replays the forward into a scratch buffer of that size)."""
+    """Where the forward keeps its iterates for the backward: (b·h, iters + 1, block, block) — the iterate entering
+    each step, then the final one — for at most CORE_KEEP_MAX matrices, else (0,) (the backward then replays the
+    forward into a scratch buffer of b·h · iters blocks)."""
     nbh = q_land.shape[0] * q_land.shape[1]
     block = _block(q_land.shape[-2])
-    return (nbh, iters, block, block) if nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
+    return (nbh, iters + 1, block, block) if nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
 
 
 def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w):
