@@ -18,7 +18,9 @@ Batches have no padding, so — as pretraining does since the mask-free path —
 (attention_mask=None: no mask multiplies, SDPA free to use FlashAttention); ``--padding-mask`` passes an all-ones
 mask instead, the setting of the first H100 figures in docs/performance.md.
 
-Prints one Markdown table (tokens/s, ratios to softmax, to transformers' Nyströmformer and Roberta, peak MiB).
+Prints one Markdown table (tokens/s, ratios to softmax, to transformers' Nyströmformer and Roberta, peak MiB, the
+median step's wall time and one step's device time — kernels summed by torch.profiler: well under the step time
+means host-bound).
 
     python bench/model_speed.py --seq-len 512 --batch 32
     python bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax
@@ -104,6 +106,19 @@ def step_fn(model, is_hf, opt, device, amp):
     return step
 
 
+def device_ms(step, batch_data, device):
+    """Milliseconds of device work in one step: the durations of its CUDA kernels, copies and memsets summed
+    (torch.profiler). Against the step's wall time it tells a host-bound step (device idle between launches)
+    from a device-bound one; above the wall time, kernels overlapped (streams). None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(*batch_data)
+        torch.cuda.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type.name == "CUDA") / 1e3
+
+
 def kernel_breakdown(step, batch_data, device, rows=25):
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -169,11 +184,12 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-            rows[name] = (args.batch * args.seq_len / statistics.median(times), peak)
+            rows[name] = (args.batch * args.seq_len / statistics.median(times), peak,
+                          statistics.median(times) * 1e3, device_ms(step, data[0], device))
             if name in args.kernels:
                 breakdowns[name] = kernel_breakdown(step, data[0], device)
         except torch.OutOfMemoryError:
-            rows[name] = (None, None)
+            rows[name] = (None, None, None, None)
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -186,11 +202,12 @@ def main(argv=None):
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     ratio = lambda a, b: fmt(a / b if a and b else None, ".2f")  # noqa: E731
     soft, hf, roberta = (rows.get(name, (None,))[0] for name in ("softmax", "hf-nystromformer", "hf-roberta"))
-    print("| model | tokens/s | × softmax | × transformers Nyströmformer | × transformers Roberta | peak MiB |")
-    print("|---|---|---|---|---|---|")
-    for name, (tps, peak) in rows.items():
+    print("| model | tokens/s | × softmax | × transformers Nyströmformer | × transformers Roberta | peak MiB | "
+          "step ms | device ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (tps, peak, step_ms, dev_ms) in rows.items():
         print(f"| {name} | {fmt(tps, '.0f')} | {ratio(tps, soft)} | {ratio(tps, hf)} | {ratio(tps, roberta)} | "
-              f"{fmt(peak, '.0f')} |")
+              f"{fmt(peak, '.0f')} | {fmt(step_ms, '.1f')} | {fmt(dev_ms, '.1f')} |")
     for name, table in breakdowns.items():
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
 

@@ -1,0 +1,51 @@
+"""The benchmark scripts run end to end and print their tables (CPU, tiny shapes).
+
+GPU sessions are short and rare: a script that breaks on its way to a table would waste one. These runs use the
+CPU rows only (no Triton, no CUDA events); the figures themselves mean nothing here.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str) -> list[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for key in ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP", "TRITON_INTERPRET"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
+def table_rows(lines: list[str]) -> list[list[str]]:
+    """The cells of a Markdown table's body rows."""
+    rows = [line.strip("|").split("|") for line in lines if line.startswith("| ") and not line.startswith("|---")]
+    return [[cell.strip() for cell in row] for row in rows[1:]]   # without the header
+
+
+def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors():
+    lines = run_script("bench/attention_speed.py", "--device", "cpu", "--tokens", "256", "--lengths", "64", "128",
+                       "--repeat", "1", "--warmup", "0", "--heads", "2", "--head-dim", "16", "--landmarks", "8",
+                       "--conv", "5", "--impls", "sdpa", "paper-fp32", "fast-torch", "--check")
+    rows = table_rows(lines)
+    assert [(r[0], r[2]) for r in rows] == [(n, impl) for n in ("64", "128")
+                                            for impl in ("sdpa", "paper-fp32", "fast-torch")]
+    for n, batch, impl, ms, *_, err in rows:
+        assert float(ms) > 0
+        if impl == "fast-torch":
+            assert float(err) < 1e-2      # bf16 against the fp32 reference
+
+
+def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
+    lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "64", "--batch", "2", "--layers", "1",
+                       "--steps", "1", "--warmup", "1", "--models", "nystrom", "nystrom-overlap", "softmax",
+                       "attention-free")
+    rows = table_rows(lines)
+    assert [r[0] for r in rows] == ["nystrom", "nystrom-overlap", "softmax", "attention-free"]
+    for name, tokens_per_s, vs_softmax, *_, step_ms, device_ms in rows:
+        assert float(tokens_per_s) > 0 and float(step_ms) > 0
+        assert device_ms == "n/a"         # no CUDA here
+    assert rows[2][2] == "1.00"           # softmax against itself
