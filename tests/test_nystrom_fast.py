@@ -332,6 +332,39 @@ def test_interp_without_padding_the_kernels_save_no_more_than_sdpa_for_backward(
     assert saved_compared_to_sdpa(True, "ones") == pytest.approx(3 / 4 if fused else 5 / 4)
 
 
+@needs_interpreter
+def test_interp_model_keeps_for_backward_what_softmax_keeps_with_all_kernels_and_one_tensor_more_with_default():
+    # Issue #6's "peak memory ≤ the softmax model's", at the level of what autograd keeps (bench/saved_memory.py):
+    # counting storages that grow with n, NYSTROM_TRITON=all keeps q, k, v as SDPA does (pass 2 recomputes its
+    # output); the default kernels also keep pass 2's SDPA output, one (b, h, n, d) tensor per layer, because the
+    # layer's output is that plus the conv — a new tensor, which the output projection saves besides.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dataclasses import replace
+    from saved_memory import saved_storages
+    from nystromformer.model import NystromformerForMaskedLM
+    n, layers = 96, 2
+    cfg = ModelConfig(vocab_size=100, max_seq_len=n, embedding_dim=64, transformer_dim=64, transformer_hidden_dim=256,
+                      num_layers=layers, num_head=2, head_dim=32, num_landmarks=16, conv_kernel_size=5,
+                      dropout_prob=0.0)
+    ids = torch.randint(5, 100, (2, n), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::7] = ids[:, ::7]
+    growing, one_tensor = {}, 2 * n * 64 * 4   # one_tensor: (b, h, n, d) in fp32
+    for attn_type in ("softmax", "nystrom"):
+        torch.manual_seed(0)
+        model = NystromformerForMaskedLM(replace(cfg, attn_type=attn_type))
+        for module in model.modules():
+            if hasattr(module, "impl"):
+                module.impl = "fast"
+        loss = model(ids, labels, None).loss
+        saved = saved_storages(loss, exclude=[p.untyped_storage().data_ptr() for p in model.parameters()])
+        # storages that grow with n, of the model's width (not the kernels' (b, n) keep vectors, SDPA's (b, h, n)
+        # log-sum-exp)
+        growing[attn_type] = sum(b for b, _, shape in saved.values() if n in shape and b >= one_tensor // 4)
+    extra = 0 if os.environ.get("NYSTROM_TRITON") == "all" else layers * one_tensor
+    assert growing["nystrom"] == growing["softmax"] + extra
+
+
 # ---------------------------------------------------------------------------------------- GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 

@@ -1,0 +1,135 @@
+"""What a training step keeps for backward, by autograd node: nystrom (each kernel mode) vs softmax. No GPU needed.
+
+The tensors autograd saves during the forward are most of a training step's peak memory (issue #6: "peak memory
+≤ the softmax model's"). This walks the autograd graph of one MLM forward — including the inner graph of the
+one-node Triton path (``NYSTROM_TRITON=all``) — and adds up the distinct storages its nodes save, parameters
+excluded, split into those that grow with the sequence (n in the shape) and the rest. Counted on the CPU in fp32
+(Triton under its interpreter), so the bytes are twice a bf16 GPU run's for activations; the differences between
+variants are what it is for. Each variant runs in its own process (the interpreter must be chosen before Triton
+is imported).
+
+    python bench/saved_memory.py                      # n 512, batch 2, 2 layers, BERT-base width
+    python bench/saved_memory.py --verbose            # also every saved tensor over 100 KB
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+
+# (label, attention type, NYSTROM_TRITON, NYSTROM_OVERLAP)
+VARIANTS = [("softmax (SDPA)", "softmax", "0", "0"), ("nystrom, PyTorch ops", "nystrom", "0", "0"),
+            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1", "0"),
+            ("nystrom, NYSTROM_TRITON=all", "nystrom", "all", "0"),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all", "1")]
+
+
+def saved_storages(root: torch.Tensor, exclude=(), min_bytes=0):
+    """{storage pointer: (bytes, node name, shape)} for the tensors saved by the autograd graph behind root."""
+    seen, stack, visited = {}, [root.grad_fn], set()
+    exclude = set(exclude)
+
+    def add(node, t):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in exclude or ptr in seen or storage.nbytes() < min_bytes:
+            return
+        seen[ptr] = (storage.nbytes(), type(node).__name__, tuple(t.shape))
+
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        for attr in dir(node):  # built-in nodes expose what they saved as _saved_<name>
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except Exception:  # an attribute that is not a tensor, or freed
+                    continue
+                for t in value if isinstance(value, (tuple, list)) else [value]:
+                    add(node, t)
+        try:
+            for t in getattr(node, "saved_tensors", ()) or ():  # custom autograd.Functions
+                add(node, t)
+        except RuntimeError:
+            pass
+        stack.extend(fn for fn, _ in node.next_functions)
+        inner = getattr(node, "inner", None)  # nystrom_fast._TritonNystrom keeps its inner graph's root here
+        if isinstance(inner, torch.Tensor) and inner.grad_fn is not None:
+            stack.append(inner.grad_fn)
+    return seen
+
+
+def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> tuple[float, float, list]:
+    from dataclasses import replace
+    from nystromformer.config import ModelConfig
+    from nystromformer.model import NystromformerForMaskedLM
+    cfg = ModelConfig(max_seq_len=n, num_layers=layers, vocab_size=1000, conv_kernel_size=33, attention_fp32=False)
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(replace(cfg, attn_type=attn_type)).train()
+    for module in model.modules():
+        if hasattr(module, "impl"):
+            module.impl = "fast"  # the CUDA path's code, here on the CPU
+    ids = torch.randint(5, 1000, (batch, n))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::7] = ids[:, ::7]
+    loss = model(ids, labels, None).loss  # no padding, as pretraining
+    params = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    saved = saved_storages(loss, exclude=params)
+    total = sum(b for b, _, _ in saved.values())
+    growing = sum(b for b, _, shape in saved.values() if n in shape)
+    by_node = collections.Counter()
+    for nbytes, name, _ in saved.values():
+        by_node[name] += nbytes
+    if verbose:
+        for nbytes, name, shape in sorted(saved.values(), reverse=True):
+            if nbytes >= 100_000:
+                print(f"#   {name} {shape} {nbytes / 2**20:.2f} MiB", file=sys.stderr)
+    return total, growing, by_node.most_common(6)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        total, growing, top = measure(args.child, args.n, args.batch, args.layers, args.verbose)
+        print(total, growing, "; ".join(f"{name} {b / 2**20:.1f}" for name, b in top))
+        return
+    print(f"# saved for backward, one MLM forward, n={args.n}, batch={args.batch}, {args.layers} layers of BERT-base "
+          f"width, no padding, fp32 on the CPU (Triton interpreted), parameters excluded")
+    print("| variant | saved MiB | of which grow with n | × softmax (grow with n) | largest, by node (MiB) |")
+    print("|---|---|---|---|---|")
+    base = None
+    for label, attn, kernels, overlap in VARIANTS:
+        env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=overlap,
+                   NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, __file__, "--n", str(args.n), "--batch", str(args.batch), "--layers", str(args.layers),
+               "--child", attn] + (["--verbose"] if args.verbose else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(proc.stderr[-3000:])
+        if args.verbose:
+            print(f"# {label}\n{proc.stderr.strip()}")
+        total, growing, top = proc.stdout.strip().splitlines()[-1].split(" ", 2)
+        total, growing = int(total), int(growing)
+        base = base or growing
+        print(f"| {label} | {total / 2**20:.1f} | {growing / 2**20:.1f} | {growing / base:.3f} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
