@@ -30,7 +30,8 @@ On CUDA, when Triton is importable, the segment means, the pseudo-inverse iterat
 run as Triton kernels (``nystrom_triton``); otherwise, and on CPU, as PyTorch ops (the conv as a grouped conv1d,
 which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRITON`` chooses (``triton_mode``):
 0 = none, 1 = the kernels checked on an H100 (default), all = also the attention-pass kernels and the one-node
-training backward, which are tested on CPU only so far.
+training backward, which are tested on CPU only so far. ``NYSTROM_OVERLAP=1`` (``overlap_mode``, default 0,
+not yet timed) computes Z apart from Z @ W, on a second CUDA stream beside the landmark pass.
 """
 from __future__ import annotations
 
