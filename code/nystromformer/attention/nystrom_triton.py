@@ -740,9 +740,8 @@ CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this m
 CORE_WARPS = 8
 # Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step and the final
 # Z (112 KB per matrix at m = 64, 6 steps: 28 MB at 256), and the backward skips replaying the forward — a
-# quarter of its products. That is where the backward's latency is the cost (long n, small batch: 12 matrices at
-# 65,536 tokens took ~1 ms fwd+bwd on the H100, on 12 SMs); with many matrices the GPU is full and memory is
-# worth more.
+# quarter of its products. That is where the backward's latency is the cost (long n, small batch: 12 matrices
+# at 65,536 tokens, one wave on 12 SMs); with many matrices the GPU is full and memory is worth more. Not timed.
 CORE_KEEP_MAX = 256
 
 
