@@ -13,8 +13,9 @@
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
 #   bash bench/gpu_session.sh check attention model profile     # several, in order
 #
-# Each command runs under STAGE_LIMIT seconds (default 300; LISTOPS_LIMIT for listops) and within SESSION_LIMIT
-# (default 570) of the start, skipped when under 30 s are left, so split long plans over several calls; a
+# Each command runs under STAGE_LIMIT seconds (default 300) and within SESSION_LIMIT (default 570) of the start,
+# skipped when under 30 s are left, so split long plans over several calls — except listops, whose parallel runs
+# have their own LISTOPS_LIMIT (default 540): give it a call of its own; a
 # failing stage does not stop the next. Results go to $RESULTS (default /tmp/gpu-results), one folder per stage,
 # and are packed into $OUT/gpu-results.tgz (the device tool returns at most 8 files) with the log $OUT/session.log.
 # Record what the tables say, with the device line they print, in docs/performance.md / docs/efficiency.md /

@@ -64,7 +64,8 @@ def count(args) -> None:
 
     b, h, n, d = 1, args.heads, args.n, 64
     # q, k, v as the model makes them: (b, n, h, d) projections seen as (b, h, n, d)
-    leaves = [torch.randn(b, n, h, d, requires_grad=True) for _ in range(3)]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    leaves = [torch.randn(b, n, h, d, dtype=dtype, requires_grad=True) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in leaves)
     w = torch.randn(h, 1, 33, 1, requires_grad=True)
     mask = None if args.mask == "none" else torch.ones(b, n)
@@ -93,6 +94,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--heads", type=int, default=2, help="the counts do not depend on it (nor on n >= 64)")
     ap.add_argument("--verbose", action="store_true", help="also print the operators counted, per variant")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="q, k, v as the model passes them: fp32 with attention_fp32 true (the paper's), bf16 without")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -103,7 +106,8 @@ def main(argv=None):
             # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
             ("nystrom, NYSTROM_TRITON=1, NYSTROM_OVERLAP=1", "nystrom", "1+overlap"),
             ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap")]
-    print(f"# launches per attention layer, forward + backward, n={args.n}, heads={args.heads}, head_dim=64, "
+    print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
+          f"head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
     print("| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total |")
     print("|---|---|---|")
@@ -113,7 +117,8 @@ def main(argv=None):
             kernels, _, overlap = mode.partition("+")
             env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
                        NYSTROM_OVERLAP="1" if overlap else "0", NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--child", variant, mask]
+            cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--dtype", args.dtype,
+                   "--child", variant, mask]
             if args.verbose:
                 cmd.append("--verbose")
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -45,7 +45,8 @@ from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap"]
-# The switches each of our Nyström variants runs under (set for its build and steps, cleared after)
+# The switches each of our Nyström variants runs under (set for its build and steps over the caller's own, e.g.
+# NYSTROM_IMPL=fast for the CUDA path's code on CPU; restored after)
 ENV = {"nystrom-all": {"NYSTROM_TRITON": "all"}, "nystrom-reference": {"NYSTROM_IMPL": "reference"},
        "nystrom-overlap": {"NYSTROM_OVERLAP": "1"}, "nystrom-all-overlap": {"NYSTROM_TRITON": "all",
                                                                           "NYSTROM_OVERLAP": "1"}}
@@ -153,9 +154,11 @@ def main(argv=None):
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
                       attention_fp32=args.attention_fp32 == "true")
     rows, breakdowns = {}, {}
+    caller = {key: os.environ[key] for key in SWITCHES if key in os.environ}  # the caller's, under every row's own
     for name in args.models:
         for key in SWITCHES:
             os.environ.pop(key, None)
+        os.environ.update(caller)
         os.environ.update(ENV.get(name, {}))
         try:
             torch.manual_seed(0)
@@ -195,6 +198,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     for key in SWITCHES:
         os.environ.pop(key, None)
+    os.environ.update(caller)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
           f"attention_fp32={args.attention_fp32}, compile={args.compile}, padding_mask={args.padding_mask}, "

@@ -60,6 +60,7 @@ def rel(x, y):
 
 
 def middle_table(args, dev, d=64):
+    torch.backends.cuda.matmul.allow_tf32 = False  # as the model runs (pinv_table may have left it on)
     print(f"\n# landmark middle pinv(softmax(Q̃K̃ᵀ/√d)) @ W, bf16 landmarks (m={args.m}, d={d}, {args.iters} steps, "
           "pinv at tf32), fwd / fwd+bwd ms, errors vs float64")
     print("| matrices | impl | launches fwd+bwd | fwd ms | fwd+bwd ms | out err | grad err (Q̃, K̃, W) |")

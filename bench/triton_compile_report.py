@@ -79,29 +79,20 @@ def configs(dt: str, prec: str, wide: bool):
     yield ("landmark core stats", nt._core_stats_kernel,
            dict(**core, COLS="*fp32", STAT="*fp32", M=I32, D=I32, scale="fp32"),
            dict(BLOCK=64, BLOCK_D=64, PREC="tf32x3", IS_F64=False), 4)
-    yield ("landmark core forward", nt._core_fwd_kernel,
-           dict(**core, W=p, STAT="*fp32", ZW=p, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEEP=False), nt.CORE_WARPS)
-    # landmark_pinv (NYSTROM_OVERLAP=1): the same kernels writing Z / reading dL/dZ, fp32 m × m
-    yield ("landmark pinv forward", nt._core_fwd_kernel,
-           dict(**core, W="*fp32", STAT="*fp32", ZW="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False, KEEP=False), nt.CORE_WARPS)
-    yield ("landmark pinv backward", nt._core_bwd_kernel,
-           dict(**core, W="*fp32", STAT="*fp32", COLS="*fp32", G="*fp32", DW="*fp32", DA="*fp32", DDIV="*fp32",
-                NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=False, KEPT=False), nt.CORE_WARPS)
-    yield ("landmark core backward", nt._core_bwd_kernel,
-           dict(**core, W=p, STAT="*fp32", COLS="*fp32", G=p, DW=p, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
-                ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEPT=False), nt.CORE_WARPS)
-    # few matrices (≤ CORE_KEEP_MAX): the forward keeps its iterates, the backward does not replay it
-    yield ("landmark core forward, keeping iterates", nt._core_fwd_kernel,
-           dict(**core, W=p, STAT="*fp32", ZW=p, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEEP=True), nt.CORE_WARPS)
-    yield ("landmark core backward, from kept iterates", nt._core_bwd_kernel,
-           dict(**core, W=p, STAT="*fp32", COLS="*fp32", G=p, DW=p, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
-                ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-           dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=True, KEPT=True), nt.CORE_WARPS)
+    # The iterating kernels in each form: landmark_core (Z·W, m × d, in the input dtype) or landmark_pinv (Z
+    # alone, fp32 m × m: NYSTROM_OVERLAP=1); replaying the forward in the backward, or (≤ CORE_KEEP_MAX matrices)
+    # reading the iterates the forward kept.
+    for form, has_w in (("core", True), ("pinv", False)):
+        t = p if has_w else "*fp32"    # W, Z·W or Z, and their gradients
+        for kept in (False, True):
+            fwd, bwd = ((", keeping iterates", ", from kept iterates") if kept else ("", ""))
+            yield (f"landmark {form} forward{fwd}", nt._core_fwd_kernel,
+                   dict(**core, W=t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                   dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEEP=kept), nt.CORE_WARPS)
+            yield (f"landmark {form} backward{bwd}", nt._core_bwd_kernel,
+                   dict(**core, W=t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
+                        ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                   dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept), nt.CORE_WARPS)
     yield ("landmark core softmax backward", nt._core_softmax_bwd_kernel,
            dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=p, DKL=p, M=I32,
                 D=I32, NBH=I32, scale="fp32"),

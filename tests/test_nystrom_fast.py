@@ -430,9 +430,21 @@ def test_gpu_pinv_on_a_side_stream_keeps_the_function(impl, dtype, monkeypatch):
         err, grad_errs = _gpu_case(dtype, use_triton, n=n)
         assert err <= tol[0] and max(grad_errs) <= tol[1], (n, err, grad_errs)
     assert nystrom_fast._SIDE_STREAMS, "no side stream was used"
-    # The side stream made late on purpose (~20 ms of sleep queued before its forward work): without the join the
-    # main stream would read Z before it is written, and the output would be wrong
-    on = nystrom_fast._on
+    # The side stream made late on purpose, ~20 ms of sleep queued before its forward work and before its backward
+    # (an identity node made on the side stream, so autograd runs its backward there): without the join the main
+    # stream would read Z before it is written, and without autograd's stream syncs the landmarks' gradients
+    # before they are written. New shapes (n = 1100), so no freed block still holds a right answer.
+    on, pinv_fn = nystrom_fast._on, nystrom_fast.landmark_pinv
+
+    class SleepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            return z.view_as(z)
+
+        @staticmethod
+        def backward(ctx, g):
+            torch.cuda._sleep(40_000_000)
+            return g
 
     def late(side):
         ctx = on(side)
@@ -441,11 +453,13 @@ def test_gpu_pinv_on_a_side_stream_keeps_the_function(impl, dtype, monkeypatch):
             def __enter__(self):
                 ctx.__enter__()
                 torch.cuda._sleep(40_000_000)
+
             def __exit__(self, *exc):
                 return ctx.__exit__(*exc)
         return Late()
     monkeypatch.setattr(nystrom_fast, "_on", late)
-    err, grad_errs = _gpu_case(dtype, use_triton, n=1000)
+    monkeypatch.setattr(nystrom_fast, "landmark_pinv", lambda *a, **kw: SleepInBackward.apply(pinv_fn(*a, **kw)))
+    err, grad_errs = _gpu_case(dtype, use_triton, n=1100)
     assert err <= tol[0] and max(grad_errs) <= tol[1], ("late side stream", err, grad_errs)
 
 
@@ -509,7 +523,7 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
     a = torch.softmax(r(2, 2, 8, 8), -1)
     out, lse, _ = nt._lq_forward(q_land, k, v, keep * 0)
     stat, cols = nt._core_stats(q_land, k_land)
-    _, kept = nt._core_forward(q_land, k_land, zw, stat, 3, "ieee")          # 4 matrices: iterates kept
+    _, kept = nt._core_forward(q_land, k_land, zw, stat, 3, "ieee", True)    # 4 matrices: iterates kept
     replay = kept.new_empty(0)                                               # the backward replays instead
     cases = {nt._pinv_forward: (a, a.transpose(-1, -2), 3, "ieee", 0),
              nt._pinv_backward: (a, a.transpose(-1, -2).contiguous(), r(2, 2, 8, 8), 3, "ieee", 0),
@@ -523,9 +537,9 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck():
              nt._conv_input_grad: (v, keep, r(2, 5)),
              nt._conv_weight_grad: (v, keep, q, 5),
              nt._core_stats: (q_land, k_land),
-             nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee"),
+             nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee", True),
              nt._core_backward: (q_land, k_land, zw, stat, cols, kept, r(2, 2, 8, 16), 3, "ieee"),
-             nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee"),
+             nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee", True),
              nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee")}
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
@@ -679,6 +693,21 @@ def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d,
 
 
 @needs_interpreter
+def test_interp_core_keeps_iterates_only_when_a_backward_follows(monkeypatch):
+    from nystromformer.attention import nystrom_triton
+    calls = []
+    forward = nystrom_triton._core_forward
+    monkeypatch.setattr(nystrom_triton, "_core_forward", lambda *a: calls.append(a[-1]) or forward(*a))
+    g = torch.Generator().manual_seed(0)
+    q_land, k_land, w = (_random(1, 2, 8, 16, dtype=torch.float64, g=g).detach() for _ in range(3))
+    nystrom_triton.landmark_core(q_land, k_land, w, 6)                       # no input needs a gradient
+    nystrom_triton.landmark_core(q_land, k_land, w.requires_grad_(), 6)
+    with torch.no_grad():
+        nystrom_triton.landmark_core(q_land, k_land, w, 6)                   # inference
+    assert calls == [False, True, False]
+
+
+@needs_interpreter
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("iters", [6, 1, 0])
 def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters, monkeypatch):
@@ -691,9 +720,11 @@ def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters,
     results = []
     for keep_max in (nystrom_triton.CORE_KEEP_MAX, 0):
         monkeypatch.setattr(nystrom_triton, "CORE_KEEP_MAX", keep_max)
-        _, zs = nystrom_triton._core_forward(q_land, k_land, w, nystrom_triton._core_stats(q_land, k_land)[0],
-                                             iters, "ieee")
+        stat = nystrom_triton._core_stats(q_land, k_land)[0]
+        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", True)
         assert zs.shape == ((6, iters + 1, 32, 32) if keep_max and iters else (0,))   # 20 landmarks: 32² blocks
+        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", False)
+        assert zs.shape == (0,)   # nothing kept when no backward will run
         params = [t.clone().requires_grad_() for t in (q_land, k_land, w)]
         out = (nystrom_triton.landmark_pinv(*params[:2], iters) if split else
                nystrom_triton.landmark_core(*params, iters))

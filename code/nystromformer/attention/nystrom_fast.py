@@ -256,8 +256,8 @@ def overlap_mode() -> bool:
     """``NYSTROM_OVERLAP=1``: compute Z = pinv(kernel_2) apart from Z·W, on a second CUDA stream beside pass 1,
     forward and backward. Can pay where pass 1 leaves SMs idle and the iteration's few programs sit between the
     passes: long n, small batch (at 65,536 tokens and batch 1, 12 matrices on 12 of 132 SMs; their device time
-    is estimated at ~0.1–0.2 ms fwd+bwd, docs/performance.md). Default 0 until a GPU session has timed it. On CPU (and under torch.compile or CUDA-graph capture)
-    the split form runs on one stream: same function."""
+    is estimated at ~0.1–0.2 ms fwd+bwd, docs/performance.md). Default 0 until a GPU session has timed it. On
+    CPU (and under torch.compile or CUDA-graph capture) the split form runs on one stream: same function."""
     mode = os.environ.get("NYSTROM_OVERLAP", "0")
     if mode not in OVERLAP_MODES:
         raise ValueError(f"NYSTROM_OVERLAP: expected one of {', '.join(OVERLAP_MODES)}, got {mode!r}")

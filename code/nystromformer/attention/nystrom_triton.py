@@ -773,21 +773,21 @@ def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tenso
     return stat, cols
 
 
-def _kept_shape(q_land: torch.Tensor, iters: int) -> tuple:
+def _kept_shape(q_land: torch.Tensor, iters: int, keep: bool) -> tuple:
     """Where the forward keeps its iterates for the backward: (b·h, iters + 1, block, block) — the iterate entering
     each step, then the final one — for at most CORE_KEEP_MAX matrices, else (0,) (the backward then replays the
     forward into a scratch buffer of b·h · iters blocks)."""
     nbh = q_land.shape[0] * q_land.shape[1]
     block = _block(q_land.shape[-2])
-    return (nbh, iters + 1, block, block) if nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
+    return (nbh, iters + 1, block, block) if keep and nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
 
 
-def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w):
+def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep):
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
     out = (torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else
            torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
-    zs = torch.empty(_kept_shape(q_land, iters), device=stat.device, dtype=stat.dtype)
+    zs = torch.empty(_kept_shape(q_land, iters, keep), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
                                zs, m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
                                num_warps=_core_warps(m), **c)
@@ -817,12 +817,13 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w)
     return dq_land, dk_land, dw
 
 
-@_opaque(lambda q_land, k_land, w, stat, iters, precision: (w.new_empty(w.shape),
-                                                             stat.new_empty(_kept_shape(q_land, iters))))
+@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (w.new_empty(w.shape),
+                                                                   stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
-                  precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Z·W, and the iterates kept for the backward (empty beyond CORE_KEEP_MAX matrices)."""
-    return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True)
+                  precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Z·W, and the iterates kept for the backward (``keep``: a backward will run; empty beyond CORE_KEEP_MAX
+    matrices, or without keep)."""
+    return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=keep)
 
 
 @_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
@@ -834,11 +835,11 @@ def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, 
     return _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w=True)
 
 
-@_opaque(lambda q_land, k_land, stat, iters, precision: (stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]),
-                                                         stat.new_empty(_kept_shape(q_land, iters))))
+@_opaque(lambda q_land, k_land, stat, iters, precision, keep: (
+    stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]), stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_pinv_forward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, iters: int,
-                       precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False)
+                       precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False, keep=keep)
 
 
 @_opaque(lambda q_land, k_land, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
@@ -851,9 +852,9 @@ def _core_pinv_backward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.
 
 class _LandmarkCore(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_land, k_land, w, iters, precision):
+    def forward(ctx, q_land, k_land, w, iters, precision, keep):
         stat, cols = _core_stats(q_land, k_land)
-        zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision)
+        zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, keep)
         ctx.save_for_backward(q_land, k_land, w, stat, cols, zs)
         ctx.iters, ctx.precision = iters, precision
         return zw
@@ -861,14 +862,14 @@ class _LandmarkCore(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        return *_core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None
+        return *_core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None, None
 
 
 class _LandmarkPinv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_land, k_land, iters, precision):
+    def forward(ctx, q_land, k_land, iters, precision, keep):
         stat, cols = _core_stats(q_land, k_land)
-        z, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision)
+        z, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision, keep)
         ctx.save_for_backward(q_land, k_land, stat, cols, zs)
         ctx.iters, ctx.precision = iters, precision
         return z
@@ -876,7 +877,12 @@ class _LandmarkPinv(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        return *_core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None
+        return *_core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None, None
+
+
+def _backward_follows(*inputs: torch.Tensor) -> bool:
+    # Inside an autograd.Function's forward grad mode is off and needs_input_grad ignores no_grad: decide here.
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
 def _check_core(name: str, q_land: torch.Tensor):
@@ -896,7 +902,7 @@ def landmark_core(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, i
     The result has W's dtype. Gradients as autograd's through the PyTorch composition, including torch.max's even
     split over tied column sums (``tests/test_nystrom_fast.py``)."""
     _check_core("landmark_core", q_land)
-    return _LandmarkCore.apply(q_land, k_land, w, iters, precision)
+    return _LandmarkCore.apply(q_land, k_land, w, iters, precision, _backward_follows(q_land, k_land, w))
 
 
 def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precision: str = "tf32x3") -> torch.Tensor:
@@ -904,7 +910,7 @@ def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precis
     without the product with W, which the caller makes. It does not need W, so it can run while pass 1 computes
     W (``nystrom_fast``'s side stream); same kernels, same launches, same numerics for Z."""
     _check_core("landmark_pinv", q_land)
-    return _LandmarkPinv.apply(q_land, k_land, iters, precision)
+    return _LandmarkPinv.apply(q_land, k_land, iters, precision, _backward_follows(q_land, k_land))
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
