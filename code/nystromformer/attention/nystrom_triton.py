@@ -851,33 +851,28 @@ def _core_pinv_backward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.
 
 
 class _LandmarkCore(torch.autograd.Function):
+    """Z·W (``w`` given: landmark_core) or Z alone (``w=None``: landmark_pinv), one node either way."""
+
     @staticmethod
     def forward(ctx, q_land, k_land, w, iters, precision, keep):
         stat, cols = _core_stats(q_land, k_land)
-        zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, keep)
-        ctx.save_for_backward(q_land, k_land, w, stat, cols, zs)
-        ctx.iters, ctx.precision = iters, precision
-        return zw
+        if w is None:
+            out, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision, keep)
+            ctx.save_for_backward(q_land, k_land, stat, cols, zs)
+        else:
+            out, zs = _core_forward(q_land, k_land, w, stat, iters, precision, keep)
+            ctx.save_for_backward(q_land, k_land, w, stat, cols, zs)
+        ctx.iters, ctx.precision, ctx.has_w = iters, precision, w is not None
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
-        return *_core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None, None
-
-
-class _LandmarkPinv(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_land, k_land, iters, precision, keep):
-        stat, cols = _core_stats(q_land, k_land)
-        z, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision, keep)
-        ctx.save_for_backward(q_land, k_land, stat, cols, zs)
-        ctx.iters, ctx.precision = iters, precision
-        return z
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        return *_core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None, None, None
+        if ctx.has_w:
+            dq_land, dk_land, dw = _core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision)
+        else:
+            (dq_land, dk_land), dw = _core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None
+        return dq_land, dk_land, dw, None, None, None
 
 
 def _backward_follows(*inputs: torch.Tensor) -> bool:
@@ -910,7 +905,7 @@ def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precis
     without the product with W, which the caller makes. It does not need W, so it can run while pass 1 computes
     W (``nystrom_fast``'s side stream); same kernels, same launches, same numerics for Z."""
     _check_core("landmark_pinv", q_land)
-    return _LandmarkPinv.apply(q_land, k_land, iters, precision, _backward_follows(q_land, k_land))
+    return _LandmarkCore.apply(q_land, k_land, None, iters, precision, _backward_follows(q_land, k_land))
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
