@@ -190,7 +190,6 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
     ~30 operators). Otherwise both passes are SDPA (pass 2 on the masked Q), and ``keep`` and ``bias`` are None
     when there is no padding."""
     # Padded keys carry the bias, so K need not be zeroed here (q·k is far below the bias's rounding unit).
-    core_kernel = attention_kernels and init == "original"
     split = overlap_mode()
     side = _fork(q_land) if split else None  # before pass 1 is queued, or the side stream would wait for it
     if attention_kernels:
@@ -206,7 +205,8 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         # (a leaf first used on the side stream would get its gradient accumulator there: the fused node's are)
         q_side, k_side = q_land.view_as(q_land), k_land.view_as(k_land)
         with _on(side):
-            z = landmark_pinv(q_side, k_side, pinv_iterations, init, use_triton, pinv_precision, core_kernel)
+            z = landmark_pinv(q_side, k_side, pinv_iterations, init, use_triton, pinv_precision,
+                              core_kernel=attention_kernels)
         _join(side, z, reads=(q_land, k_land))
         zw = times_w(z, w)
     else:

@@ -739,10 +739,11 @@ CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this m
 # backward 824 B vs 1,788 at 4 warps, softmax backward 176 vs 600). Not yet timed on a GPU.
 CORE_WARPS = 8
 # Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step and the final
-# Z (112 KB per matrix at m = 64, 6 steps: 28 MB at 256), and the backward skips replaying the forward — a
-# quarter of its products. That is where the backward's latency is the cost (long n, small batch: 12 matrices
-# at 65,536 tokens, one wave on 12 SMs); with many matrices the GPU is full and memory is worth more. Not timed.
-CORE_KEEP_MAX = 256
+# Z (112 KB per matrix at m = 64, 6 steps), and the backward skips replaying the forward — a quarter of its
+# products, where its latency is the cost (long n, small batch: 12 matrices at 65,536 tokens, one wave on 12 SMs).
+# Off (0) until a GPU has timed it (bench/pinv_speed.py --middle-only): per layer it keeps 448/n of an fp32
+# (b, h, n, d) tensor — little at 65,536, more than a bf16 q-sized tensor at n = 512.
+CORE_KEEP_MAX = 0
 
 
 def _core_warps(m: int) -> int:
