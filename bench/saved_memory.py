@@ -1,12 +1,14 @@
-"""What a training step keeps for backward, by autograd node: nystrom (each kernel mode) vs softmax. No GPU needed.
+"""What a training step keeps for backward, and its peak: nystrom (each kernel mode) vs softmax. No GPU needed.
 
 The tensors autograd saves during the forward are most of a training step's peak memory (issue #6: "peak memory
 ≤ the softmax model's"). This walks the autograd graph of one MLM forward — including the inner graph of the
 one-node Triton path (``NYSTROM_TRITON=all``) — and adds up the distinct storages its nodes save, parameters
-excluded, and how much of that is sequence-sized (storages of at least half a (b, h, n, d) tensor). Counted on
-the CPU in fp32 (Triton under its interpreter), so the bytes are twice a bf16 GPU run's for activations; the
-differences between variants are what it is for. Each variant runs in its own process (the interpreter must be
-chosen before Triton is imported).
+excluded, and how much of that is sequence-sized (storages of at least half a (b, h, n, d) tensor); and it
+records the most bytes the CPU allocator held during the forward + backward (torch.profiler's memory events),
+which also counts tensors kept alive without being saved and the backward's temporaries. Counted on the CPU in
+fp32 (Triton under its interpreter), so the bytes are twice a bf16 GPU run's for activations; the differences
+between variants are what it is for. Each variant runs in its own process (the interpreter must be chosen
+before Triton is imported).
 
     python bench/saved_memory.py                      # n 512, batch 2, 2 layers, BERT-base width
     python bench/saved_memory.py --verbose            # also every saved tensor over 100 KB
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,13 +69,39 @@ def saved_storages(root: torch.Tensor, exclude=(), min_bytes=0):
         except RuntimeError:
             pass
         stack.extend(fn for fn, _ in node.next_functions)
-        inner = getattr(node, "inner", None)  # nystrom_fast._TritonNystrom keeps its inner graph's root here
-        if isinstance(inner, torch.Tensor) and inner.grad_fn is not None:
-            stack.append(inner.grad_fn)
+        inner = getattr(node, "inner", None)  # nystrom_fast._TritonNystrom keeps its inner graph's edge here
+        if isinstance(inner, torch.autograd.graph.GradientEdge):
+            stack.append(inner.node)
     return seen
 
 
-def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> tuple[float, float, list]:
+def peak_allocated(prof) -> int:
+    """Most bytes the CPU allocator held at once during a profile, counted from its start (torch.profiler's memory
+    events; the Triton interpreter computes in numpy, but every tensor the host code allocates goes through it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"
+              and e["args"].get("Device Type") == 0]
+    return max(totals, default=0)
+
+
+def collect_after_interpreted_launches():
+    """Triton's interpreter keeps a launch's arguments in a reference cycle until the garbage collector runs (a
+    kernel's output tensor outlives its last use; compiled kernels do not), which would count as memory the GPU
+    frees at once. Collect after every interpreted launch."""
+    from triton.runtime import interpreter
+    launch = interpreter.GridExecutor.__call__
+
+    def launch_and_collect(self, *args, **kwargs):
+        result = launch(self, *args, **kwargs)
+        gc.collect()
+        return result
+    interpreter.GridExecutor.__call__ = launch_and_collect
+
+
+def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> tuple[float, float, float, list]:
     from dataclasses import replace
     from nystromformer.config import ModelConfig
     from nystromformer.model import NystromformerForMaskedLM
@@ -83,9 +114,16 @@ def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> t
     ids = torch.randint(5, 1000, (batch, n))
     labels = torch.full_like(ids, -100)
     labels[:, ::7] = ids[:, ::7]
-    loss = model(ids, labels, None).loss  # no padding, as pretraining
-    params = [p.untyped_storage().data_ptr() for p in model.parameters()]
-    saved = saved_storages(loss, exclude=params)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        collect_after_interpreted_launches()
+    # Peak: one forward + backward (no optimizer step: the same for every variant), from the step's first
+    # allocation; parameter gradients included (the conv's are the only ones that differ, 33 × h floats a layer).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = model(ids, labels, None).loss  # no padding, as pretraining
+        params = [p.untyped_storage().data_ptr() for p in model.parameters()]
+        saved = saved_storages(loss, exclude=params)
+        loss.backward()
+    peak = peak_allocated(prof)
     total = sum(b for b, _, _ in saved.values())
     # Sequence-sized: at least half a (b, h, n, d) tensor in fp32. By size, not shape: the same storage may be
     # saved as (b, h, n, d) by one node and flattened to (b·n, dim) by another, and the walk meets either first.
@@ -98,7 +136,7 @@ def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> t
         for nbytes, name, shape in sorted(saved.values(), reverse=True):
             if nbytes >= 100_000:
                 print(f"#   {name} {shape} {nbytes / 2**20:.2f} MiB", file=sys.stderr)
-    return total, growing, by_node.most_common(6)
+    return total, growing, peak, by_node.most_common(6)
 
 
 def main(argv=None):
@@ -110,14 +148,15 @@ def main(argv=None):
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        total, growing, top = measure(args.child, args.n, args.batch, args.layers, args.verbose)
-        print(total, growing, "; ".join(f"{name} {b / 2**20:.1f}" for name, b in top))
+        total, growing, peak, top = measure(args.child, args.n, args.batch, args.layers, args.verbose)
+        print(total, growing, peak, "; ".join(f"{name} {b / 2**20:.1f}" for name, b in top))
         return
     print(f"# saved for backward, one MLM forward, n={args.n}, batch={args.batch}, {args.layers} layers of BERT-base "
           f"width, no padding, fp32 on the CPU (Triton interpreted), parameters excluded")
-    print("| variant | saved MiB | of which sequence-sized | × softmax (sequence-sized) | largest, by node (MiB) |")
-    print("|---|---|---|---|---|")
-    base = None
+    print("| variant | saved MiB | of which sequence-sized | × softmax (sequence-sized) | peak fwd+bwd MiB "
+          "| × softmax (peak) | largest saved, by node (MiB) |")
+    print("|---|---|---|---|---|---|---|")
+    base = base_peak = None
     for label, attn, kernels, overlap in VARIANTS:
         env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=overlap,
                    NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
@@ -128,10 +167,11 @@ def main(argv=None):
             raise SystemExit(proc.stderr[-3000:])
         if args.verbose:
             print(f"# {label}\n{proc.stderr.strip()}")
-        total, growing, top = proc.stdout.strip().splitlines()[-1].split(" ", 2)
-        total, growing = int(total), int(growing)
-        base = base or growing
-        print(f"| {label} | {total / 2**20:.1f} | {growing / 2**20:.1f} | {growing / base:.3f} | {top} |")
+        total, growing, peak, top = proc.stdout.strip().splitlines()[-1].split(" ", 3)
+        total, growing, peak = int(total), int(growing), int(peak)
+        base, base_peak = base or growing, base_peak or peak
+        print(f"| {label} | {total / 2**20:.1f} | {growing / 2**20:.1f} | {growing / base:.3f} | {peak / 2**20:.1f} "
+              f"| {peak / base_peak:.3f} | {top} |")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
   process they show as skipped and one driver test runs them.
 * GPU (``-m gpu``): the CUDA path in bf16 and fp32 against the reference on fp64 copies; skipped without CUDA.
 """
+import gc
 import os
 import subprocess
 import sys
@@ -229,6 +230,14 @@ def _triton_importable():
         return True
     except Exception:
         return False
+
+
+@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed (pip install -e '.[test]')")
+def test_a_triton_older_than_the_kernels_need_means_pytorch_ops_with_a_warning():
+    from nystromformer.attention import nystrom_triton as nt
+    assert nt._recent_enough("3.6.0") and nt._recent_enough("3.7.1+git0123") and nt._recent_enough("4.0.0")
+    with pytest.warns(UserWarning, match=r"Triton 3\.1\.0 is older than the 3\.6"):
+        assert not nt._recent_enough("3.1.0")     # e.g. torch 2.5's, in an older CUDA image
 
 
 needs_interpreter = pytest.mark.skipif(
@@ -564,6 +573,32 @@ def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layou
         assert grad.stride() == t.stride()          # transposed views in, transposed-layout gradients out
     with torch.no_grad():                           # inference takes the per-kernel path: same function
         assert rel(nystrom_fast.forward(q, k, v, mask, **kw), att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+def test_interp_one_node_output_is_in_the_queries_layout_and_pass_2s_output_is_not_kept(monkeypatch):
+    # Peak memory (bench/saved_memory.py): the model reshapes the output to (b, n, h·d), a view only if the output
+    # is in q's layout, as SDPA's is — else a copy that the output projection keeps besides the output. And pass
+    # 2's output is read by the conv alone: the node holds its inner graph by a gradient edge, not by that tensor.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    pass_2_outputs, pass_2 = [], nt.landmark_keys_attention
+
+    def recording_pass_2(*args):
+        out = pass_2(*args)
+        pass_2_outputs.append(StorageWeakRef(out.untyped_storage()))
+        return out
+    monkeypatch.setattr(nt, "landmark_keys_attention", recording_pass_2)
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, seed=6)
+    out = nystrom_fast.forward(q, k, v, None, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    assert type(out.grad_fn).__name__ == "_TritonNystromBackward" and out.stride() == q.stride()
+    gc.collect()  # the interpreter keeps a launch's arguments in a reference cycle; compiled kernels do not
+    assert len(pass_2_outputs) == 1 and pass_2_outputs[0].expired()
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))   # and the backward still runs
+    assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL
 
 
 @needs_interpreter

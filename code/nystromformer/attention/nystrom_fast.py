@@ -314,14 +314,18 @@ class _TritonNystrom(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v, q_land, k_land)]
             inner = _landmark_attention(*leaves, *landmark_args)
-        ctx.inner, ctx.leaves = inner, leaves
+        # The inner graph is kept by its output's gradient edge, not by the output: pass 2 recomputes what it
+        # needs, so its output (sequence-sized) is freed as soon as the conv has read it.
+        ctx.inner, ctx.leaves = torch.autograd.graph.get_gradient_edge(inner), leaves
         ctx.n = q.shape[-2]
         # Each gradient is written in its input's layout (the model's q, k, v are transposed views), so the
         # backward of the view costs no copy; meta tensors carry the strides without memory.
         ctx.like = [torch.empty_like(t, device="meta") for t in (q, k, v)]
-        out = inner.detach()
+        out = inner.detach()  # pass 2 writes in q's layout
         if conv_weight is not None:
-            out = nt.conv_raw(v, keep, nt.conv_taps(conv_weight), out, in_mask=True, out_mask=False)
+            # Also in q's layout, as SDPA's output is: the model's (b, n, h·d) reshape is then a view, not a copy
+            # that the output projection would keep besides this tensor.
+            out = nt.conv_raw(v, keep, nt.conv_taps(conv_weight), out, in_mask=True, out_mask=False, like=q)
         ctx.save_for_backward(v, keep, conv_weight)
         return out
 
@@ -333,7 +337,7 @@ class _TritonNystrom(torch.autograd.Function):
         if ctx.inner is None:
             raise RuntimeError("Nyström attention (Triton path): a second backward through the same forward "
                                "(retain_graph=True) is not supported; set NYSTROM_TRITON=0 for that")
-        g = g.contiguous()
+        # g as it comes (every kernel below takes strides): in the model, a view of the (b, n, h·d) gradient.
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         # Leaves (q, k, v, q_land, k_land): only those an input that needs a gradient depends on.
         wanted = [need_q, need_k, need_v, need_q, need_k]
@@ -342,16 +346,25 @@ class _TritonNystrom(torch.autograd.Function):
         it = iter(grads)
         dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = (next(it) if w else None for w in wanted)
         like_q, like_k, like_v = ctx.like
+
+        def into(grad, like):  # the inner gradient, ours alone now, is overwritten when its layout is right
+            ok = (grad.stride() == like.stride() and grad.dtype == like.dtype
+                  and grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr())
+            return grad if ok else None
+
         dq = dk = dv = dw = None
         if need_q:
-            dq = nt.segment_means_grad(dq_land, keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q)
+            dq = nt.segment_means_grad(dq_land, keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q,
+                                       out=into(dq_pass2, like_q))
         if need_k:
-            dk = nt.segment_means_grad(dk_land, keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k)
+            dk = nt.segment_means_grad(dk_land, keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k,
+                                       out=into(dk_pass1, like_k))
         if need_v:
             dv = dv_pass1
             if conv_weight is not None:
                 taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
-                dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v)
+                dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v,
+                                 out=into(dv_pass1, like_v))
         if conv_weight is not None and need_w:
             dw = nt.conv_weight_grad_mm(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
         return dq, dk, dv, dw, None, None, None

@@ -29,6 +29,7 @@ Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``test
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -55,8 +56,26 @@ MAX_HEAD_DIM = 64
 SHARED_MEMORY_NEEDED = {2: 163840, 4: 197632, 8: 197632}
 
 
+# The kernels were written and checked (CPU interpreter, sm_90 compiles, the H100 tests) with Triton 3.6; older
+# releases lack language features they use (tl.gather). With an older Triton — e.g. a CUDA image whose torch
+# ships one — the fast path runs on PyTorch ops instead, with a warning, rather than failing mid-training.
+MIN_TRITON = (3, 6)
+
+
 def available() -> bool:
-    return triton is not None
+    return triton is not None and _recent_enough(triton.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def _recent_enough(version: str) -> bool:
+    try:
+        ok = tuple(int(part) for part in version.split(".")[:2]) >= MIN_TRITON
+    except ValueError:  # a development build's version string: let it try
+        return True
+    if not ok:
+        warnings.warn(f"Nyström attention: Triton {version} is older than the {'.'.join(map(str, MIN_TRITON))} its "
+                      f"kernels need; using PyTorch ops instead (slower, same results)", stacklevel=3)
+    return ok
 
 
 @torch.compiler.assume_constant_result  # torch.compile: evaluated once while tracing, not traced into
@@ -1089,13 +1108,15 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tens
 
 
 def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.Tensor | None = None,
-                       mask_add: bool = False, like: torch.Tensor | None = None) -> torch.Tensor:
+                       mask_add: bool = False, like: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """The input gradient of ``segment_means_raw`` for the landmark gradient g (b, h, m, d), plus ``add``
     (× keep if ``mask_add``) when given, in one pass; written with the strides of ``like`` (a tensor, e.g. on
-    the meta device, of the input's layout; default contiguous)."""
+    the meta device, of the input's layout; default contiguous), or into ``out`` (which may be ``add``: each
+    element is read and then written by the same program)."""
     b, h, m, d = g.shape
     g = g.contiguous()
-    gx = _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
+    gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
     block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
     astr = add.stride() if add is not None else (0, 0, 0, 0)
     _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](
@@ -1135,13 +1156,15 @@ def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------- depthwise conv
-def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None):
+def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=None):
     """No autograd: ``res + out_keep·conv(in_keep·x)`` with taps w (h, k), written with ``like``'s strides
-    (default: contiguous)."""
+    (default: contiguous), or into ``out`` (which may be ``res``, not x: each element of res is read and then
+    written by the same program, while x is read across rows)."""
     b, h, n, d = x.shape
     ks = w.shape[-1]
     dtype = x.dtype if res is None else res.dtype
-    out = _empty((b, h, n, d), like, dtype, x.device)
+    if out is None:
+        out = _empty((b, h, n, d), like, dtype, x.device)
     block_n = 64
     tiles = min(8, triton.cdiv(n, block_n))  # row tiles per program: the band is built once for them
     # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
