@@ -26,10 +26,13 @@ BATCH_SIZE ?= 32
 LR ?= 3e-5
 EPOCHS ?= 5
 NPROC ?= 1
+# torchrun's rendezvous flags; the default runs on this machine only
+TORCHRUN_ARGS ?= --standalone
 IMAGE ?= nystromformer:latest
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo partitions data-512 data-4096 pretrain validate glue glue-sweep docker-build docker-pretrain
+.PHONY: help setup test demo partitions clean-partitions data-512 data-4096
+.PHONY: pretrain validate glue glue-sweep docker-build docker-pretrain
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -40,7 +43,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+	mkdir -p $(STAMPS) && touch $@
 
 test: setup ## run the test suite (GPU tests skip on CPU)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; rc=0; fi; exit $$rc
@@ -48,21 +51,41 @@ test: setup ## run the test suite (GPU tests skip on CPU)
 demo: setup ## the whole pipeline on the embedded sample in demo/ (writes demo-output/)
 	OMP_NUM_THREADS=1 $(NYS) demo --output demo-output
 
-partitions: setup ## extract and partition the four corpora (paths: WIKI_DUMP BOOKCORPUS STORIES REALNEWS)
-	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(WORK)/wiki-extracted
-	$(NYS) preprocess wiki --input $(WORK)/wiki-extracted --output $(PARTITIONS)/wiki
-	$(NYS) preprocess bookcorpus --input $(BOOKCORPUS) --output $(PARTITIONS)/bookcorpus
-	$(NYS) preprocess stories --input $(STORIES) --output $(PARTITIONS)/stories
-	$(NYS) preprocess realnews --input $(REALNEWS) --output $(PARTITIONS)/realnews
+# Corpora (WIKI_DUMP BOOKCORPUS STORIES REALNEWS) → partitions. Each step leaves a stamp in $(WORK)/completed when
+# it has finished, so data-4096 after data-512 (or a rerun after a failure) skips what is done; delete a stamp (or
+# `make clean-partitions`) to redo a step, e.g. after new downloads.
+EXTRACTED := $(WORK)/wiki-extracted
+STAMPS := $(WORK)/completed
+partitions: $(addprefix $(STAMPS)/,wiki bookcorpus stories realnews) ## extract and partition the four corpora
 
+$(STAMPS)/wiki-extracted: | $(VENV)/.installed
+	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(EXTRACTED)
+	mkdir -p $(STAMPS) && touch $@
+$(STAMPS)/wiki: $(STAMPS)/wiki-extracted
+	$(NYS) preprocess wiki --input $(EXTRACTED) --output $(PARTITIONS)/wiki
+	mkdir -p $(STAMPS) && touch $@
+$(STAMPS)/bookcorpus: | $(VENV)/.installed
+	$(NYS) preprocess bookcorpus --input $(BOOKCORPUS) --output $(PARTITIONS)/bookcorpus
+	mkdir -p $(STAMPS) && touch $@
+$(STAMPS)/stories: | $(VENV)/.installed
+	$(NYS) preprocess stories --input $(STORIES) --output $(PARTITIONS)/stories
+	mkdir -p $(STAMPS) && touch $@
+$(STAMPS)/realnews: | $(VENV)/.installed
+	$(NYS) preprocess realnews --input $(REALNEWS) --output $(PARTITIONS)/realnews
+	mkdir -p $(STAMPS) && touch $@
+
+clean-partitions: ## forget finished corpus steps (the next data-512/data-4096 redoes them)
+	rm -rf $(STAMPS)
+
+# build-shards itself resumes and skips finished partition files
 data-512: partitions ## shards of 512 tokens in data-preprocessing/512-roberta (TOKENIZER=folder)
 	$(NYS) build-shards --seq-len 512 --tokenizer $(TOKENIZER) --output data-preprocessing/512-roberta $(DATASETS)
 
-data-4096: partitions ## shards of 4096 tokens in data-preprocessing/4096-roberta
+data-4096: partitions ## shards of 4096 tokens in data-preprocessing/4096-roberta (reuses the partitions)
 	$(NYS) build-shards --seq-len 4096 --tokenizer $(TOKENIZER) --output data-preprocessing/4096-roberta $(DATASETS)
 
-pretrain: setup ## pretrain MODEL (resumes; NPROC=8 for 8 GPUs via torchrun)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) code/run_pretrain.py --model-dir $(MODEL)
+pretrain: setup ## pretrain MODEL (resumes; NPROC=8 for 8 GPUs; multi-node: TORCHRUN_ARGS="--nnodes ...")
+	$(VENV)/bin/torchrun $(TORCHRUN_ARGS) --nproc_per_node $(NPROC) code/run_pretrain.py --model-dir $(MODEL)
 
 validate: setup ## MLM validation of MODEL's checkpoints not yet validated
 	$(NYS) validate --model-dir $(MODEL)
@@ -76,9 +99,8 @@ glue-sweep: setup ## the paper's GLUE grid for TASKS on MODEL's cp-CHECKPOINT
 docker-build: ## build the Docker image IMAGE from docker/Dockerfile
 	docker build -f docker/Dockerfile -t $(IMAGE) .
 
+# The whole repository is mounted, so that paths relative to the model folder (data, glue, a from_cp in
+# ../nystrom-512) resolve as outside the container.
 docker-pretrain: ## pretrain MODEL in Docker on all GPUs (stop with docker stop; rerun to resume)
-	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(MODEL) \
-	  -v $(CURDIR)/$(MODEL):/workspace/$(MODEL) \
-	  -v $(CURDIR)/data-preprocessing:/workspace/data-preprocessing \
-	  -v $(CURDIR)/glue:/workspace/glue \
-	  -w /workspace/$(MODEL) $(IMAGE) pretrain
+	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(notdir $(MODEL)) \
+	  -v $(CURDIR):/workspace -w /workspace/$(MODEL) $(IMAGE) pretrain

@@ -93,6 +93,30 @@ def test_every_documented_make_target_dry_runs_to_real_commands():
     assert "-w /workspace/nystrom-4096" in dry and "--ipc=host" in dry
 
 
+def test_make_data_4096_after_data_512_reuses_the_finished_corpus_steps(tmp_path):
+    def dry(*args):
+        return subprocess.run(["make", "-n", *args, f"WORK={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+    assert all(step in dry("data-4096") for step in ("extract-wiki", "preprocess wiki", "preprocess realnews"))
+    (tmp_path / "completed").mkdir()
+    for step in ("wiki-extracted", "wiki", "bookcorpus", "stories"):   # realnews failed or was interrupted
+        (tmp_path / "completed" / step).touch()
+    plan = dry("data-4096")
+    assert "extract-wiki" not in plan and "preprocess wiki" not in plan and "preprocess bookcorpus" not in plan
+    assert "preprocess realnews" in plan and "build-shards --seq-len 4096" in plan
+    subprocess.run(["make", "-s", "clean-partitions", f"WORK={tmp_path}"], cwd=REPO, check=True)
+    assert "extract-wiki" in dry("data-4096")   # forgotten steps are redone
+
+
+def test_make_docker_pretrain_mounts_the_repository_so_a_from_cp_in_another_folder_resolves():
+    dry = subprocess.run(["make", "-n", "docker-pretrain", "MODEL=nystrom-4096"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert f"-v {REPO}:/workspace -w /workspace/nystrom-4096" in dry     # from_cp: ../nystrom-512/model/…
+    dry = subprocess.run(["make", "-n", "pretrain", "NPROC=8", "TORCHRUN_ARGS=--nnodes 2 --rdzv-endpoint h:29400"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "torchrun --nnodes 2 --rdzv-endpoint h:29400 --nproc_per_node 8" in dry
+
+
 def test_make_glue_passes_the_papers_flags_through():
     dry = subprocess.run(["make", "-n", "glue", "MODEL=m", "TASK=RTE", "CHECKPOINT=3", "LR=2e-5", "BATCH_SIZE=16"],
                          cwd=REPO, capture_output=True, text=True).stdout
