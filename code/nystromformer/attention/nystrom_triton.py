@@ -1216,12 +1216,15 @@ def conv_taps(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_forward_fake(v, keep, w, res):
-    return v.new_empty(v.shape, dtype=(v if res is None else res).dtype)
+    return v.new_empty(v.shape) if res is None else torch.empty_like(res)
 
 
 @_opaque(_conv_forward_fake)
 def _conv_forward(v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor, res: Optional[torch.Tensor]) -> torch.Tensor:
-    return conv_raw(v, keep.contiguous(), w, res, in_mask=True, out_mask=False)
+    # With res (pass 2's output, in q's layout as SDPA writes it) the sum is written in res's layout: the model's
+    # (b, n, h·d) reshape of the layer's output is then a view, not a copy.
+    out = None if res is None else torch.empty_like(res)
+    return conv_raw(v, keep.contiguous(), w, res, in_mask=True, out_mask=False, out=out)
 
 
 @_opaque(lambda g, keep, w_flipped: g.new_empty(g.shape))
