@@ -1248,11 +1248,14 @@ class _ConvAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         v, keep, w = ctx.saved_tensors
+        # One contiguous copy for both kernels (in the model g is a transposed view of the (b, n, h·d) gradient);
+        # res, pass 2's output, gets g as it came, in its own layout (what SDPA's backward expects of dO).
+        g_dense = g.contiguous()
         dv = dw = None
         if ctx.needs_input_grad[0]:
-            dv = _conv_input_grad(g, keep, w.flip(-1).contiguous()).to(v.dtype)
+            dv = _conv_input_grad(g_dense, keep, w.flip(-1).contiguous()).to(v.dtype)
         if ctx.needs_input_grad[2]:
-            dw = _conv_weight_grad(v, keep, g, w.shape[-1]).to(w.dtype)
+            dw = _conv_weight_grad(v, keep, g_dense, w.shape[-1]).to(w.dtype)
         return dv, None, dw, (g if ctx.has_res else None)
 
 
