@@ -11,6 +11,8 @@ WIKI_DUMP ?= downloads/enwiki-latest-pages-articles.xml.bz2
 BOOKCORPUS ?= downloads/bookcorpus
 STORIES ?= downloads/stories
 REALNEWS ?= downloads/realnews/realnews.jsonl
+# BookCorpus as one .txt file per book (not books_large_p*.txt): BOOKCORPUS_FLAGS=--document-per-file
+BOOKCORPUS_FLAGS ?=
 TOKENIZER ?= roberta-base
 WORK ?= data-preprocessing/work
 PARTITIONS := $(WORK)/partitions
@@ -65,7 +67,7 @@ $(STAMPS)/wiki: $(STAMPS)/wiki-extracted
 	$(NYS) preprocess wiki --input $(EXTRACTED) --output $(PARTITIONS)/wiki
 	mkdir -p $(STAMPS) && touch $@
 $(STAMPS)/bookcorpus: | $(VENV)/.installed
-	$(NYS) preprocess bookcorpus --input $(BOOKCORPUS) --output $(PARTITIONS)/bookcorpus
+	$(NYS) preprocess bookcorpus --input $(BOOKCORPUS) --output $(PARTITIONS)/bookcorpus $(BOOKCORPUS_FLAGS)
 	mkdir -p $(STAMPS) && touch $@
 $(STAMPS)/stories: | $(VENV)/.installed
 	$(NYS) preprocess stories --input $(STORIES) --output $(PARTITIONS)/stories

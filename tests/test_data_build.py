@@ -1,6 +1,7 @@
 """Tokeniser training and shard building: exact-length sequences, deterministic, idempotent, resumable."""
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from nystromformer.data.partitions import write_partitions
 from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
 from nystromformer.data.tokenize import train_tokenizer
 from nystromformer.shards import ShardedSequences
-from nystromformer.tokenizer import load_tokenizer, special_token_ids
+from nystromformer.tokenizer import TokenizerError, load_tokenizer, special_token_ids
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 
@@ -185,3 +186,45 @@ def test_roberta_ids_from_the_build_match_the_tokenizer_called_directly(shared_d
             stream += ([tok.eos_token_id] if i else []) + tok(doc, add_special_tokens=False).input_ids
         expected += stream[: len(stream) // 62 * 62]
     assert all_rows(tmp_path, "train")[:, 1:-1].reshape(-1).tolist() == expected
+
+
+def test_a_failed_build_writes_nothing_so_the_corrected_command_runs(partitions, trained_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(FileNotFoundError, match="stoies"):
+        build(partitions, trained_tokenizer, out, datasets=("wiki", "stoies"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="empty"):
+        build(partitions, tmp_path / "empty", out, datasets=("wiki", "stories"))
+    assert not out.exists()
+    stats = build(partitions, trained_tokenizer, out, datasets=("wiki", "stories"))
+    assert set(stats["datasets"]) == {"wiki", "stories"}
+
+
+def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, trained_tokenizer, tmp_path,
+                                                                   monkeypatch):
+    out = tmp_path / "out"
+    build(partitions, trained_tokenizer, out, datasets=("stories",))
+    before = file_states(out)
+    copy = tmp_path / "copied-tokenizer"
+    shutil.copytree(trained_tokenizer, copy)
+    monkeypatch.chdir(trained_tokenizer.parent)
+    for spelling in (f"{trained_tokenizer}/", trained_tokenizer.name, f"./{trained_tokenizer.name}/", copy):
+        build(partitions, spelling, out, datasets=("stories",))
+    # meta.json of older builds holds the path as it was typed, relative to where the build ran.
+    meta = json.loads((out / "meta.json").read_text())
+    (out / "meta.json").write_text(json.dumps({**meta, "tokenizer": trained_tokenizer.name}))
+    before[Path("meta.json")] = file_states(out)[Path("meta.json")]
+    build(partitions, trained_tokenizer, out, datasets=("stories",))
+    assert file_states(out) == before
+
+
+def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partitions, trained_tokenizer, tmp_path,
+                                                                       caplog):
+    with caplog.at_level("WARNING", logger="nystromformer.data"):
+        stats = build(partitions, trained_tokenizer, tmp_path, datasets=("wiki", "stories:0.0001"))
+    assert stats["datasets"]["stories"]["sequences"] > 0 and stats["datasets"]["wiki"]["train_sequences"] > 0
+    assert stats["datasets"]["stories"]["train_sequences"] + stats["datasets"]["stories"]["dev_sequences"] == 0
+    [warning] = stats["warnings"]
+    assert warning.startswith("dataset stories (") and "sampled out at ratio 0.0001" in warning
+    assert warning in caplog.text
+    assert json.loads((tmp_path / "stats.json").read_text())["warnings"] == [warning]

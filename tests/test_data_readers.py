@@ -1,13 +1,21 @@
 """Readers and partitions: each dataset's raw format -> documents separated by blank lines, bad input counted."""
 import argparse
+import errno
+import hashlib
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from nystromformer.data import commands
-from nystromformer.data.partitions import read_partition
-from nystromformer.data.readers import SkipLog, bookcorpus_documents, expand_inputs
+from nystromformer.data.partitions import PartitionError, partition_files, read_partition, write_partitions
+from nystromformer.data.readers import (SkipLog, bookcorpus_documents, expand_inputs, realnews_documents,
+                                        stories_documents, wiki_documents)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
 
@@ -93,9 +101,151 @@ def test_min_words_is_configurable(tmp_path):
     assert len(documents) == 3 and stats["documents_too_short"] == 0
 
 
-def test_missing_input_folder_is_an_error_naming_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere"):
-        run_command(["preprocess", "stories", "--input", tmp_path / "nowhere", "--output", tmp_path / "out"])
+def file_states(folder):
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def assert_one_error_line(capsys, *named):
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert all(str(n) in err for n in named), err
+
+
+def test_missing_input_folder_is_an_error_naming_it(tmp_path, capsys):
+    code = run_command(["preprocess", "stories", "--input", tmp_path / "nowhere", "--output", tmp_path / "out"])
+    assert code == 2
+    assert_one_error_line(capsys, tmp_path / "nowhere")
+    assert not (tmp_path / "out").exists()
+
+
+def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tmp_path, capsys):
+    preprocess(tmp_path, "stories")
+    capsys.readouterr()
+    (tmp_path / "no-tokenizer").mkdir()
+    mistakes = [
+        (["extract-wiki", "--dump", tmp_path / "missing.xml.bz2", "--output", tmp_path / "x"], "missing.xml.bz2"),
+        (["preprocess", "realnews", "--input", tmp_path / "stories", "--output", tmp_path / "rn"], "*.jsonl"),
+        (["train-tokenizer", "--input", tmp_path / "stoies", "--output", tmp_path / "tok"], "stoies"),
+        (["build-shards", tmp_path / "stoies", "--output", tmp_path / "shards", "--tokenizer",
+          tmp_path / "no-tokenizer"], "stoies"),
+        (["build-shards", tmp_path / "stories", "--output", tmp_path / "shards", "--tokenizer",
+          tmp_path / "no-tokenizer"], "no-tokenizer"),
+        (["build-shards", f"{tmp_path / 'stories'}:2", "--output", tmp_path / "shards"], "ratio"),
+    ]
+    for argv, named in mistakes:
+        assert run_command(argv) == 2, argv
+        assert_one_error_line(capsys, named)
+    assert not any((tmp_path / name).exists() for name in ("x", "rn", "tok", "shards"))
+
+
+def wiki_files():
+    return expand_inputs([FIXTURES / "wiki"], "wiki_*")
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_preprocess_leaves_the_previous_partition_folder_as_it_was(tmp_path):
+    out = tmp_path / "wiki"
+    write_partitions(wiki_documents(wiki_files(), SkipLog()), out, "wiki", SkipLog(), words_per_partition=1000,
+                     min_words=128)
+    before = file_states(out)
+
+    def interrupted_after_the_first_partition():
+        for i, document in enumerate(wiki_documents(wiki_files(), SkipLog())):
+            if i == 3:  # the first new (100-word) partition is complete by now
+                raise Interrupt
+            yield document
+
+    with pytest.raises(Interrupt):
+        write_partitions(interrupted_after_the_first_partition(), out, "wiki", SkipLog(), words_per_partition=100,
+                         min_words=128)
+    assert file_states(out) == before  # old partitions and old stats.json, no new part-00000 among them
+    assert [p.name for p in tmp_path.iterdir()] == ["wiki"]  # no work folder left behind
+
+
+def test_rerunning_preprocess_on_unchanged_input_touches_no_file(tmp_path):
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")
+    before = file_states(tmp_path / "wiki")
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")
+    assert file_states(tmp_path / "wiki") == before
+
+
+def test_new_input_rewrites_the_folder_but_unchanged_partitions_keep_their_mtime(tmp_path):
+    raw = tmp_path / "raw"
+    shutil.copytree(FIXTURES / "stories", raw / "stories")
+    argv = ["preprocess", "stories", "--input", raw / "stories", "--output", tmp_path / "stories",
+            "--words-per-partition", "1"]  # one story per partition
+    assert run_command(argv) == 0
+    before = file_states(tmp_path / "stories")
+    (raw / "stories" / "story-0009.txt").write_text("A late story, added after the first run.\n")
+    assert run_command(argv) == 0
+    after = file_states(tmp_path / "stories")
+    assert sorted(map(str, after)) == ["part-00000.txt", "part-00001.txt", "part-00002.txt", "stats.json"]
+    assert all(after[Path(n)] == before[Path(n)] for n in ("part-00000.txt", "part-00001.txt"))
+    assert after[Path("stats.json")] != before[Path("stats.json")]
+
+
+def test_partition_files_refuse_a_folder_that_does_not_match_its_stats(tmp_path):
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")
+    assert len(partition_files(tmp_path / "wiki")) == 3
+    with open(tmp_path / "wiki" / "part-00001.txt", "a") as f:
+        f.write("A document that preprocess did not write.\n\n")
+    with pytest.raises(PartitionError, match="part-00001.txt"):
+        partition_files(tmp_path / "wiki")
+    (tmp_path / "wiki" / "part-00003.txt").write_text("Another.\n\n")
+    with pytest.raises(PartitionError, match="unlisted: part-00003.txt"):
+        partition_files(tmp_path / "wiki")
+
+
+def test_preprocess_refuses_to_replace_a_folder_holding_other_files(tmp_path, capsys):
+    (tmp_path / "stories").mkdir()
+    (tmp_path / "stories" / "notes.txt").write_text("mine\n")
+    code = run_command(["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "stories"])
+    assert code == 2
+    assert_one_error_line(capsys, "notes.txt")
+    assert [p.name for p in (tmp_path / "stories").iterdir()] == ["notes.txt"]
+
+
+def write_books(folder):
+    folder.mkdir()
+    (folder / "book-a.txt").write_text("Chapter 1\n\nIt was a dark night.\nThe rain fell.\n\nShe waited.\n")
+    (folder / "book-b.txt").write_text("Prologue\r\n\r\nThe end came early.\r\n")
+    return folder
+
+
+def test_bookcorpus_with_a_file_per_book_makes_each_file_one_document(tmp_path):
+    books = write_books(tmp_path / "books")
+    out = tmp_path / "bookcorpus"
+    assert run_command(["preprocess", "bookcorpus", "--input", books, "--output", out, "--document-per-file"]) == 0
+    documents = [d for p in partition_files(out) for d in read_partition(p)]
+    assert documents == ["Chapter 1\nIt was a dark night.\nThe rain fell.\nShe waited.",
+                         "Prologue\nThe end came early."]
+    assert json.loads((out / "stats.json").read_text())["reader_options"] == {"document_per_file": True}
+    # The books_large layout (the default) reads blank lines as document ends: one document per paragraph.
+    assert run_command(["preprocess", "bookcorpus", "--input", books, "--output", out]) == 0
+    assert len([d for p in partition_files(out) for d in read_partition(p)]) == 5
+
+
+def test_document_per_file_and_sentences_per_document_do_not_combine(tmp_path, capsys):
+    books = write_books(tmp_path / "books")
+    code = run_command(["preprocess", "bookcorpus", "--input", books, "--output", tmp_path / "out",
+                        "--document-per-file", "--sentences-per-document", "10"])
+    assert code == 2
+    assert_one_error_line(capsys, "--sentences-per-document")
+
+
+def test_stories_and_realnews_split_lines_only_at_newlines_like_the_other_readers(tmp_path):
+    text = "one\u2028two\x0cthree\x85four\u2029five\r\nnext line\n"
+    expected = "one\u2028two\x0cthree\x85four\u2029five\nnext line"
+    (tmp_path / "story.txt").write_text(text, newline="")
+    (tmp_path / "news.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "books.txt").write_text(text, newline="")
+    assert list(stories_documents([tmp_path / "story.txt"], SkipLog())) == [expected]
+    assert list(realnews_documents([tmp_path / "news.jsonl"], SkipLog())) == [expected]
+    assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == [expected]
 
 
 def test_data_commands_are_registered_in_the_cli():
@@ -108,3 +258,182 @@ def test_a_lone_carriage_return_inside_a_document_is_text_not_a_document_boundar
     path = tmp_path / "part-00000.txt"
     path.write_bytes("first line\rsame document\r\rstill the same\n\nsecond document\n\n".encode())
     assert list(read_partition(path)) == ["first line\rsame document\r\rstill the same", "second document"]
+
+
+# --- The whole-folder swap under interruptions, kills and symlinks -------------------------------------------------
+
+def write_wiki(out, words_per_partition, documents=None):
+    documents = wiki_documents(wiki_files(), SkipLog()) if documents is None else documents
+    return write_partitions(documents, out, "wiki", SkipLog(), words_per_partition=words_per_partition,
+                            min_words=128)
+
+
+def interrupted_documents():
+    """Wiki documents, then an interruption before the run could finish."""
+    yield from list(wiki_documents(wiki_files(), SkipLog()))[:1]
+    raise Interrupt
+
+
+def interrupt_rename(monkeypatch, call, after=False):
+    """Make the ``call``-th os.rename raise KeyboardInterrupt (as SIGINT would), just before or just after it."""
+    rename, calls = os.rename, []
+
+    def interrupted(src, dst):
+        calls.append(src)
+        if len(calls) == call and not after:
+            raise KeyboardInterrupt
+        rename(src, dst)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(os, "rename", interrupted)
+
+
+# A preprocess run in a child process, SIGKILLed at its N-th os.rename: no except or finally clause runs.
+KILLED_RUN = """
+import os, signal, sys
+from nystromformer.data.partitions import write_partitions
+from nystromformer.data.readers import SkipLog, expand_inputs, wiki_documents
+out, words, kill_at, fixtures = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rename, calls = os.rename, []
+def killed(src, dst):
+    calls.append(src)
+    if len(calls) == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    rename(src, dst)
+os.rename = killed
+documents = wiki_documents(expand_inputs([fixtures], "wiki_*"), SkipLog())
+write_partitions(documents, out, "wiki", SkipLog(), words_per_partition=words, min_words=128)
+"""
+
+
+def killed_at_rename(out, words_per_partition, call):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "code")}
+    result = subprocess.run([sys.executable, "-c", KILLED_RUN, str(out), str(words_per_partition), str(call),
+                             str(FIXTURES / "wiki")], env=env, capture_output=True, text=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+
+
+def hidden(folder):
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("."))
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-second-rename", "after-second-rename"])
+def test_an_interrupt_at_the_second_rename_leaves_the_old_or_the_new_folder_never_none(tmp_path, monkeypatch,
+                                                                                       after):
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    before = file_states(out)
+    interrupt_rename(monkeypatch, call=2, after=after)  # call 1 moves the old folder aside, call 2 the new one in
+    with pytest.raises(KeyboardInterrupt):
+        write_wiki(out, 100)
+    monkeypatch.undo()
+    if after:  # the new folder was in place: it stays, its old one is left for the next run to remove
+        assert len(partition_files(out)) == 3
+    else:  # the old folder is put back at once and the new one removed
+        assert file_states(out) == before and hidden(tmp_path) == []
+    write_wiki(out, 1000)
+    assert hidden(tmp_path) == [] and len(partition_files(out)) == 1
+
+
+def test_a_kill_between_the_two_renames_is_repaired_by_the_next_run_even_if_that_run_fails(tmp_path, caplog):
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    before = file_states(out)
+    killed_at_rename(out, 100, call=2)
+    assert not out.exists() and len(hidden(tmp_path)) == 2  # .old (the old folder) and .partial (the new one)
+    with caplog.at_level("WARNING", logger="nystromformer.data"), pytest.raises(Interrupt):
+        write_wiki(out, 100, interrupted_documents())
+    assert "restored it from" in caplog.text
+    assert file_states(out) == before and hidden(tmp_path) == []  # the old folder, restored before the run failed
+    write_wiki(out, 100)
+    assert len(partition_files(out)) == 3 and hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+@pytest.mark.parametrize("existing", [False, True], ids=["new-folder", "existing-folder"])
+def test_stopping_a_run_whose_work_folder_is_complete_never_loses_data(tmp_path, monkeypatch, how, existing):
+    out = tmp_path / "wiki"
+    if existing:
+        write_wiki(out, 1000)
+    before = file_states(out) if existing else None
+    if how == "kill":
+        killed_at_rename(out, 100, call=1)  # the work folder is complete, nothing renamed yet
+    else:
+        interrupt_rename(monkeypatch, call=1)
+        with pytest.raises(KeyboardInterrupt):
+            write_wiki(out, 100)
+        monkeypatch.undo()
+    if existing:  # the old folder is untouched
+        assert file_states(out) == before
+    else:  # no folder yet: the complete new one is kept (hidden) for the next run
+        assert not out.exists() and len(hidden(tmp_path)) == 1
+    stats = write_wiki(out, 100)
+    assert len(partition_files(out)) == 3 and stats["partitions"] == [p.name for p in partition_files(out)]
+    assert hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("link", ["folder", "parent", "dangling"])
+def test_a_symlinked_output_is_swapped_at_the_link_target(tmp_path, link):
+    real = tmp_path / "disk"
+    real.mkdir()
+    if link == "parent":  # --output under a symlinked folder
+        (tmp_path / "parts").symlink_to(real)
+        out, target = tmp_path / "parts" / "wiki", real / "wiki"
+    else:  # --output itself a link, to an existing folder or to one preprocess creates
+        out, target = tmp_path / "wiki", real / "wiki"
+        if link == "folder":
+            target.mkdir()
+        out.symlink_to(target)
+    write_wiki(out, 1000)
+    write_wiki(out, 100)  # replaces a folder: the swap
+    assert target.is_dir() and not target.is_symlink() and len(partition_files(target)) == 3
+    assert out.is_symlink() if link != "parent" else (tmp_path / "parts").is_symlink()
+    assert partition_files(out) and hidden(real) == [] and hidden(tmp_path) == []
+    write_wiki(out, 1000)
+    assert len(partition_files(out)) == 1 and hidden(real) == []
+
+
+def test_leftover_symlinks_are_unlinked_not_emptied_and_a_moved_link_is_restored(tmp_path):
+    # A version that renamed links left ".wiki.<random>.old" as a symlink to the user's real folder.
+    precious = tmp_path / "disk" / "wiki"
+    write_wiki(precious, 1000)
+    before = file_states(precious)
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    (tmp_path / ".wiki.abcd1234.old").symlink_to(precious)
+    write_wiki(out, 100)
+    assert hidden(tmp_path) == [] and file_states(precious) == before
+    # With nothing at --output, such a link is what was there: it is moved back and the data swapped at its target.
+    shutil.rmtree(out)
+    (tmp_path / ".wiki.abcd1234.old").symlink_to(precious)
+    write_wiki(out, 100)
+    assert out.is_symlink() and out.resolve() == precious.resolve() and len(partition_files(precious)) == 3
+    assert hidden(tmp_path) == [] and hidden(precious.parent) == []
+
+
+def test_an_old_folder_that_cannot_be_removed_after_the_swap_is_a_warning_and_goes_at_the_next_run(
+        tmp_path, monkeypatch, caplog):
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    rmdir = os.rmdir
+
+    def busy(path, *args, **kwargs):  # as on NFS, where a reader's open file keeps a ".nfs..." entry
+        if str(path).endswith(".old"):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        return rmdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "rmdir", busy)
+    with caplog.at_level("WARNING", logger="nystromformer.data"):
+        write_wiki(out, 100)
+    monkeypatch.undo()
+    assert len(partition_files(out)) == 3 and len(hidden(tmp_path)) == 1
+    assert hidden(tmp_path)[0] in caplog.text
+    write_wiki(out, 1000)
+    assert hidden(tmp_path) == []
+
+
+def test_an_unexpected_missing_file_is_a_bug_with_a_traceback_not_a_user_error(tmp_path, monkeypatch):
+    def vanished(src, dst):  # a temporary file removed behind the writer's back
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(src))
+    monkeypatch.setattr(os, "replace", vanished)
+    with pytest.raises(FileNotFoundError):
+        run_command(["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "stories"])

@@ -104,6 +104,8 @@ def test_make_data_4096_after_data_512_reuses_the_finished_corpus_steps(tmp_path
     plan = dry("data-4096")
     assert "extract-wiki" not in plan and "preprocess wiki" not in plan and "preprocess bookcorpus" not in plan
     assert "preprocess realnews" in plan and "build-shards --seq-len 4096" in plan
+    assert "preprocess bookcorpus --input b --output" in dry("partitions", "-B", "BOOKCORPUS=b")
+    assert dry("partitions", "-B", "BOOKCORPUS_FLAGS=--document-per-file").count("--document-per-file") == 1
     subprocess.run(["make", "-s", "clean-partitions", f"WORK={tmp_path}"], cwd=REPO, check=True)
     assert "extract-wiki" in dry("data-4096")   # forgotten steps are redone
 

@@ -24,6 +24,7 @@ def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())  # mkstemp makes 0600; give the mode open() would
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -33,6 +34,21 @@ def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where possible (shared by every module that sets modes)."""
+    # Read from /proc where there is one: setting the umask to read it back briefly changes it process-wide.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -3,8 +3,9 @@
 A data folder holds:
 - ``meta.json``: ``{"format": "nystromformer-shards", "version": 1, "max_seq_len", "vocab_size", "dtype",
   "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``
-- ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "train-00000.npy",
-  "num_sequences": n}, ...]}`` (file names relative to the folder)
+- ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "wiki--part-00000-train-00000.npy",
+  "num_sequences": n}, ...]}`` (file names relative to the folder; ``build-shards`` names them
+  ``<dataset>--<partition>-<split>-<k>.npy``, see ``data/build.py``; any name works)
 - the shards: numpy ``.npy`` arrays of token ids, shape (num_sequences, max_seq_len), uint16 when the
   vocabulary fits, else uint32. Read memory-mapped, never unpickled.
 """

@@ -12,10 +12,12 @@ Per input partition file (the unit of work and of resumption):
   manifest entry ``manifest/<dataset>--<part>.json``. A re-run skips files whose entry exists and whose source
   is unchanged; an interrupted run redoes only the files without an entry.
 Finally ``train.json``/``dev.json``, ``meta.json`` and ``stats.json`` are (re)written only when they change, so a
-re-run of a finished build touches no file.
+re-run of a finished build touches no file. Every input (partition folders, tokenizer, settings against an existing
+``meta.json``) is checked before the first file is written, so a mistyped command leaves no trace.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -169,6 +171,42 @@ def _write_json_if_changed(path: Path, obj) -> bool:
     return True
 
 
+# What identifies a tokenizer folder's ids (those present are hashed).
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "added_tokens.json", "special_tokens_map.json",
+                   "tokenizer_config.json")
+
+
+def tokenizer_identity(tokenizer) -> str:
+    """What meta.json records: a tokenizer folder's absolute path, or the Hugging Face name as given."""
+    path = Path(tokenizer)
+    return os.path.abspath(path) if path.is_dir() else str(tokenizer)
+
+
+def _tokenizer_digest(folder: Path) -> Optional[str]:
+    digest, found = hashlib.sha256(), False
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+            found = True
+    return digest.hexdigest() if found else None
+
+
+def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
+    """Whether the tokenizer recorded in ``output``'s meta.json is ``tokenizer``, however either is spelled:
+    the same folder (``tok``, ``tok/``, ``./x/../tok``, absolute) or folders with the same tokenizer files."""
+    if recorded in (str(tokenizer), tokenizer_identity(tokenizer)):
+        return True
+    new = Path(tokenizer)
+    if not new.is_dir():
+        return False
+    # Older builds recorded the path as typed: relative to the data folder, or to where the build ran.
+    for candidate in (Path(output) / recorded, Path(recorded)):
+        if candidate.is_dir() and (candidate.resolve() == new.resolve()
+                                   or _tokenizer_digest(candidate) == _tokenizer_digest(new)):
+            return True
+    return False
+
+
 def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,
                  shard_size: int = SHARD_SIZE, dev_fraction: float = 0.1, seed: int = 0, workers: int = 1,
                  on_partition_done: Optional[Callable[[Task], None]] = None) -> dict:
@@ -177,27 +215,34 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
         raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
     if not 0 <= dev_fraction < 1:
         raise BuildError(f"--dev-fraction must be in [0, 1), got {dev_fraction}")
+    if shard_size < 1:
+        raise BuildError(f"--shard-size must be at least 1, got {shard_size}")
     names = [d.name for d in datasets]
     if len(set(names)) != len(names):
         raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
     output = Path(output)
-    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
-
+    # Check every input before writing anything: a failed command must not leave a meta.json behind.
+    tasks = [Task(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
-    meta = make_meta(seq_len, len(tok), str(tokenizer), special_token_ids(tok),
+    meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, seed=seed,
                      shard_size=shard_size)
     existing = output / "meta.json"
     if existing.is_file():
-        old = json.loads(existing.read_text())
-        changed = sorted(k for k in set(old) | set(meta) if old.get(k) != json.loads(json.dumps(meta)).get(k))
+        try:
+            old = json.loads(existing.read_text())
+        except json.JSONDecodeError as e:
+            raise BuildError(f"{existing}: not valid JSON ({e}); delete the folder and build again") from None
+        new = json.loads(json.dumps(meta))
+        changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
+        if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
+            changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
         if changed:
             raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
                              f" build into a new folder or delete it")
-    else:
+    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+    if not existing.is_file():
         write_meta(output, meta)
-
-    tasks = [Task(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
 
     def manifest_path(task: Task) -> Path:
         return output / MANIFEST_DIR / f"{task.key}.json"
@@ -250,6 +295,17 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
                     totals[k] = totals.get(k, 0) + v
         stats["datasets"][d.name] = {"folder": str(d.folder), "sampling_ratio": d.ratio,
                                      "partition_files": sum(e["dataset"] == d.name for e in entries), **totals}
+    # A dataset that adds nothing is named, not silently missing from the mixture.
+    stats["warnings"] = []
+    for name, d in stats["datasets"].items():
+        if d.get("train_sequences", 0) + d.get("dev_sequences", 0) == 0:
+            if d.get("sequences", 0):
+                why = f"all {d['sequences']} of its sequences were sampled out at ratio {d['sampling_ratio']}"
+            else:
+                why = (f"no partition file of it holds enough tokens for one sequence of {seq_len} "
+                       f"({d.get('tokens', 0)} tokens in {d['partition_files']} file(s))")
+            stats["warnings"].append(f"dataset {name} ({d['folder']}) contributes no sequences: {why}")
+            log.warning("%s", stats["warnings"][-1])
     stats["train_sequences"] = sum(s.get("train_sequences", 0) for s in stats["datasets"].values())
     stats["dev_sequences"] = sum(s.get("dev_sequences", 0) for s in stats["datasets"].values())
     _write_json_if_changed(output / "stats.json", stats)

@@ -1,8 +1,10 @@
 """``nystromformer`` subcommands of the data pipeline: extract-wiki, preprocess, train-tokenizer, build-shards."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
@@ -12,32 +14,79 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
 
+def _user_errors() -> tuple:
+    from ..shards import ShardError
+    from ..tokenizer import TokenizerError
+    from .build import BuildError
+    from .partitions import InputError, PartitionError
+    # InputError, not FileNotFoundError: a file vanishing mid-run (a bug) must keep its traceback.
+    return BuildError, PartitionError, ShardError, TokenizerError, InputError, NotADirectoryError
+
+
+def _check_exists(paths, what: str) -> None:
+    """The user-given paths exist: checked here so that a mistake is an InputError, reported in one line."""
+    from .partitions import InputError
+    for path in map(Path, paths):
+        if not (path.is_file() or path.is_dir()):
+            raise InputError(f"{path}: {what} does not exist")
+
+
+def reports_user_errors(run):
+    """A user's mistake (a missing file, a bad flag value) prints one ``error: ...`` line and exits 2;
+    anything else is a bug and keeps its traceback."""
+    @functools.wraps(run)
+    def wrapper(args) -> int:
+        errors = _user_errors()
+        try:
+            return run(args)
+        except errors as e:
+            print("error: " + " ".join(str(e).split()), file=sys.stderr)
+            return 2
+    return wrapper
+
+
+@reports_user_errors
 def cmd_extract_wiki(args) -> int:
     from .wiki import extract_wiki
     _logging()
+    if not Path(args.dump).is_file():
+        from .partitions import InputError
+        raise InputError(f"{args.dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
     return extract_wiki(args.dump, args.output, args.processes, args.bytes)
 
 
+@reports_user_errors
 def cmd_preprocess(args) -> int:
-    from .partitions import write_partitions
+    from .partitions import InputError, PartitionError, write_partitions
     _logging()
+    options = {}
+    if args.dataset == "bookcorpus" and args.document_per_file:
+        if args.sentences_per_document is not None:
+            raise PartitionError("--sentences-per-document does not apply with --document-per-file "
+                                 "(each book file is one document)")
+        options = {"document_per_file": True}
+    elif args.dataset == "bookcorpus":
+        sentences = SENTENCES_PER_DOCUMENT if args.sentences_per_document is None else args.sentences_per_document
+        if sentences < 1:
+            raise PartitionError(f"--sentences-per-document must be at least 1, got {sentences}")
+        options = {"document_per_file": False, "sentences_per_document": sentences}
+    elif args.document_per_file or args.sentences_per_document is not None:
+        raise PartitionError("--document-per-file and --sentences-per-document are bookcorpus options")
+    _check_exists(args.input, "input")
     files = expand_inputs(args.input, INPUT_PATTERNS[args.dataset])
     if not files:
-        logging.error("no %s input files under %s (looked for %s)", args.dataset,
-                      " ".join(map(str, args.input)), INPUT_PATTERNS[args.dataset])
-        return 1
+        raise InputError(f"no {args.dataset} input files under {' '.join(map(str, args.input))} "
+                         f"(looked for {INPUT_PATTERNS[args.dataset]})")
     skips = SkipLog()
     reader = READERS[args.dataset]
-    if args.dataset == "bookcorpus":
-        documents = reader(files, skips, sentences_per_document=args.sentences_per_document)
-    else:
-        documents = reader(files, skips)
+    documents = reader(files, skips, **options)
     min_words = MIN_WORDS[args.dataset] if args.min_words is None else args.min_words
     write_partitions(documents, args.output, args.dataset, skips, args.words_per_partition, min_words,
-                     inputs=[str(f) for f in files])
+                     inputs=[str(f) for f in files], reader_options=options)
     return 0
 
 
+@reports_user_errors
 def cmd_train_tokenizer(args) -> int:
     from .tokenize import train_tokenizer
     _logging()
@@ -45,6 +94,7 @@ def cmd_train_tokenizer(args) -> int:
     return 0
 
 
+@reports_user_errors
 def cmd_build_shards(args) -> int:
     from .build import build_shards, parse_dataset
     _logging()
@@ -67,14 +117,19 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("preprocess", help="read one corpus into plain-text partitions")
     p.add_argument("dataset", choices=sorted(READERS))
     p.add_argument("--input", type=Path, nargs="+", required=True,
-                   help="input files or folders (wiki: wikiextractor output; bookcorpus: books_large_p*.txt; "
-                        "stories: folder of .txt; realnews: realnews.jsonl)")
+                   help="input files or folders (wiki: wikiextractor output; bookcorpus: books_large_p*.txt, or a "
+                        "folder of per-book .txt with --document-per-file; stories: folder of .txt; "
+                        "realnews: realnews.jsonl)")
     p.add_argument("--output", type=Path, required=True, help="partition folder")
     p.add_argument("--words-per-partition", type=int, default=WORDS_PER_PARTITION)
     p.add_argument("--min-words", type=int, default=None,
                    help="drop shorter documents (default: wiki 128, realnews 1000, others 0)")
-    p.add_argument("--sentences-per-document", type=int, default=SENTENCES_PER_DOCUMENT,
-                   help="bookcorpus only: sentences grouped into one document")
+    p.add_argument("--sentences-per-document", type=int, default=None,
+                   help=f"bookcorpus only: sentences grouped into one document (default {SENTENCES_PER_DOCUMENT}); "
+                        f"a blank line also ends one")
+    p.add_argument("--document-per-file", action="store_true",
+                   help="bookcorpus only: one .txt file per book, blank lines between paragraphs; each file is one "
+                        "document (default: the books_large_p*.txt layout, see --sentences-per-document)")
     p.set_defaults(func=cmd_preprocess)
 
     p = subparsers.add_parser("train-tokenizer", help="train a byte-level BPE (RoBERTa special tokens)")

@@ -72,6 +72,12 @@ def _is_empty(path: Path, skips: SkipLog) -> bool:
     return False
 
 
+def _split_lines(text: str) -> List[str]:
+    # Lines end at \n or \r\n only, as in the line-by-line readers: str.splitlines() would also split at
+    # U+2028, \x0c, \x85 and others, which BookCorpus and Wikipedia keep inside a line.
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def _join_paragraphs(lines: Iterable[str]) -> str:
     # A document keeps its line breaks but never contains a blank line: blank lines separate documents.
     return "\n".join(line.strip() for line in lines if line.strip())
@@ -116,14 +122,18 @@ def wiki_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
 
 
 def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
-                         sentences_per_document: int = SENTENCES_PER_DOCUMENT) -> Iterator[str]:
-    """``books_large_p1.txt``-style files: one sentence per line, no book boundaries.
+                         sentences_per_document: int = SENTENCES_PER_DOCUMENT,
+                         document_per_file: bool = False) -> Iterator[str]:
+    """BookCorpus in one of two layouts.
 
-    A document ends at a blank line (if a copy keeps book breaks as blank lines) or after
-    ``sentences_per_document`` sentences. Why a fixed count: the files hold ~74M sentences with no boundaries,
-    one document per file would be a multi-GB string, and documents only decide where the ``</s>`` separators
-    fall in the token stream; 1000 sentences (~13k words, a few chapters) keeps separators rare, like the
-    paper's book-level documents.
+    ``books_large_p1.txt``-style files (the default): one sentence per line, no book boundaries. A document ends
+    at a blank line (if a copy keeps book breaks as blank lines) or after ``sentences_per_document`` sentences.
+    Why a fixed count: the files hold ~74M sentences with no boundaries, one document per file would be a
+    multi-GB string, and documents only decide where the ``</s>`` separators fall in the token stream; 1000
+    sentences (~13k words, a few chapters) keeps separators rare, like the paper's book-level documents.
+
+    ``document_per_file``: a folder of one ``.txt`` file per book, blank lines between paragraphs. Each file is
+    one document (blank lines are paragraph breaks, dropped like every blank line inside a document).
     """
     for path in files:
         if _is_empty(path, skips):
@@ -134,11 +144,15 @@ def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
                 continue  # that one sentence is dropped (and counted)
             if line.strip():
                 sentences.append(line)
+            if document_per_file:
+                continue
             if sentences and (not line.strip() or len(sentences) >= sentences_per_document):
                 yield _join_paragraphs(sentences)
                 sentences = []
         if sentences:
             yield _join_paragraphs(sentences)
+        elif document_per_file:
+            skips.skip("empty_file", str(path), "only whitespace")
 
 
 def stories_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
@@ -152,7 +166,7 @@ def stories_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
             line = path.read_bytes()[: e.start].count(b"\n") + 1
             skips.skip("undecodable_bytes", f"{path}:{line}", f"{e}; whole story skipped")
             continue
-        document = _join_paragraphs(text.splitlines())
+        document = _join_paragraphs(_split_lines(text))
         if not document:
             skips.skip("empty_file", str(path), "only whitespace")
             continue
@@ -176,7 +190,7 @@ def realnews_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
             if not isinstance(text, str):
                 skips.skip("missing_text", f"{path}:{number}", "no string 'text' field")
                 continue
-            yield _join_paragraphs(text.splitlines())
+            yield _join_paragraphs(_split_lines(text))
 
 
 READERS = {"wiki": wiki_documents, "bookcorpus": bookcorpus_documents,

@@ -163,6 +163,8 @@ def train_tokenizer(inputs: Sequence[Path], output: Path, vocab_size: int = 5026
     from tokenizers import ByteLevelBPETokenizer
 
     output = Path(output)
+    for folder in inputs:  # a bad input fails here, before anything is written
+        partition_files(Path(folder))
     output.mkdir(parents=True, exist_ok=True)
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(iter_documents(inputs), vocab_size=vocab_size - 1, min_frequency=min_frequency,
