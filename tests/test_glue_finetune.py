@@ -2,6 +2,7 @@
 ../shared, real SST-2 / STS-B subsets and our MNLI fixtures; sweeps; the command-line entry points."""
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,9 @@ import torch
 from nystromformer import atomic
 from nystromformer.config import ModelConfig
 from nystromformer.glue.commands import main as run_glue_main, settings_to_argv, settings_from_args
-from nystromformer.glue.finetune import FinetuneSettings, finetune, log_path, run_dir
+from nystromformer.glue.finetune import FinetuneSettings, SettingsError, finetune, log_path, run_dir
 from nystromformer.glue.submission import read_submission
-from nystromformer.glue.sweep import grid, run_sweep
+from nystromformer.glue.sweep import grid, run_sweep, summary_dir, write_summary
 from nystromformer.model import NystromformerForMaskedLM
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_tiny_model_learns_sst2_beyond_the_majority_class(real_model_dir):
     epochs_logged = [json.loads(line) for line in log_path(ckpt, settings).read_text().splitlines()]
     assert [entry["epoch"] for entry in epochs_logged] == [1, 2, 3, 4]
     assert all({"train_loss", "dev", "score"} <= set(entry) for entry in epochs_logged)
-    assert log_path(ckpt, settings).name == "glue-SST-2-0-0.003-32-4.log"   # the paper's log name
+    assert log_path(ckpt, settings).name == "glue-SST-2-0-0.003-32-4-seed0-train1600.log"  # the paper's, + seed, subset
 
     # Majority class of the same 400 dev examples the run evaluated on.
     from nystromformer.glue.finetune import subsample
@@ -138,8 +139,9 @@ def test_sweep_writes_a_summary_and_skips_finished_runs_when_rerun(fixture_model
     assert csv_lines[0] == "task,checkpoint,lr,batch_size,epochs,best_epoch,score,accuracy,f1"
     assert len(csv_lines) == 3
     best = max(summary["rows"], key=lambda r: r["score"])
-    assert summary["best_per_task"] == {"MRPC": best} and summary["glue_average"] == best["score"]
-    assert "GLUE average" in Path(summary["markdown"]).read_text()
+    assert summary["best_per_task"] == {"MRPC": best} and summary["average"] == best["score"]
+    assert summary["average_tasks"] == ["MRPC"] and summary["glue_average"] is None  # one task is not GLUE
+    assert "Average of the best per task over MRPC (1 of 9 GLUE tasks" in Path(summary["markdown"]).read_text()
     assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A third configuration: only it runs; the finished two are skipped.
@@ -202,3 +204,128 @@ def test_a_finished_run_counts_only_for_the_settings_it_was_run_with(tmp_path):
     assert read_result(tmp_path, dataclasses.replace(settings, progress=False, device="cpu")) is not None
     assert read_result(tmp_path, dataclasses.replace(settings, max_train_examples=None)) is None
     assert read_result(tmp_path, dataclasses.replace(settings, seed=1)) is None
+
+
+def test_runs_differing_in_seed_or_training_subset_get_their_own_names(tmp_path):
+    base = FinetuneSettings(task="SST-2", checkpoint=3, lr=2e-5, batch_size=32, epochs=5)
+    assert base.run_name == "SST-2-3-2e-05-32-5"  # default settings keep the documented name
+    variants = [base, dataclasses.replace(base, seed=7), dataclasses.replace(base, max_train_examples=500),
+                dataclasses.replace(base, seed=7, max_train_examples=500)]
+    assert [v.run_name for v in variants] == ["SST-2-3-2e-05-32-5", "SST-2-3-2e-05-32-5-seed7",
+                                              "SST-2-3-2e-05-32-5-train500", "SST-2-3-2e-05-32-5-seed7-train500"]
+    assert len({run_dir(tmp_path, v) for v in variants}) == len({log_path(tmp_path, v) for v in variants}) == 4
+    assert [summary_dir(tmp_path, v).name for v in variants] == ["sweep-3", "sweep-3-seed7", "sweep-3-train500",
+                                                                 "sweep-3-seed7-train500"]
+
+
+def test_replacing_a_run_made_with_other_settings_is_announced(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    finetune(fixture_model_dir, settings, log=quiet)
+    messages = []
+    finetune(fixture_model_dir, dataclasses.replace(settings, warmup=0.1), log=messages.append)
+    assert any(m.startswith("warning: replacing ") and "warmup 0.06 -> 0.1" in m for m in messages), messages
+
+
+def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=8, epochs=1, progress=False,
+                                submission=False)
+    messages = []
+    finetune(fixture_model_dir, settings, log=messages.append)
+    assert any(m.endswith("on MRPC: 3 train examples, 2 dev examples, 1 step on cpu") for m in messages), messages
+
+
+def sweep_command(model_dir, *flags):
+    import argparse
+    from nystromformer.glue import commands
+
+    parser = argparse.ArgumentParser()
+    commands.add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["glue-sweep", "--model-dir", str(model_dir), "--checkpoint", "0", "--lrs", "1e-3",
+                              "--batch-sizes", "2", "--epoch", "1", "--no-progress", *flags])
+    return args.func(args)
+
+
+def test_a_sweep_of_some_tasks_summarises_every_finished_run_and_names_the_tasks_it_averages(fixture_model_dir,
+                                                                                            capsys):
+    assert sweep_command(fixture_model_dir, "--tasks", "MRPC") == 0
+    assert sweep_command(fixture_model_dir, "--tasks", "QNLI") == 0
+    out = capsys.readouterr().out
+    summary = fixture_model_dir / "model" / "glue" / "sweep-0"
+    rows = (summary / "summary.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in rows] == ["MRPC", "QNLI"]  # the first sweep's run is still summarised
+    [average] = [line for line in out.splitlines() if "average" in line][-1:]
+    assert "MRPC, QNLI" in average and "2 of 9" in average and not average.startswith("GLUE average"), average
+    assert "2 of 9 GLUE tasks" in (summary / "summary.md").read_text()
+
+
+def write_finished_run(checkpoint_dir: Path, settings: FinetuneSettings, score: float) -> None:
+    """A result.json as a finished run writes it (the fields the summary reads)."""
+    out = run_dir(checkpoint_dir, settings)
+    out.mkdir(parents=True)
+    (out / "result.json").write_text(json.dumps({
+        "settings": dataclasses.asdict(settings), "best_epoch": 0, "best_score": score,
+        "best_metrics": {"accuracy": score}, "history": [{"epoch": 0, "score": score}], "submission_errors": []}))
+
+
+def test_a_summary_compares_only_runs_made_with_the_sweep_s_settings_and_says_what_it_left_out(tmp_path):
+    runs = grid(["RTE"], lrs=[1e-3, 2e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    for settings, score in zip(runs, (0.5, 0.6)):
+        write_finished_run(tmp_path, settings, score)
+    # Better scores, but not comparable: a longer schedule, and a longer warm-up on a smaller dev subset.
+    write_finished_run(tmp_path, dataclasses.replace(runs[0], epochs=5), 0.9)
+    write_finished_run(tmp_path, dataclasses.replace(runs[0], lr=3e-3, warmup=0.1, max_eval_examples=10), 0.8)
+    messages = []
+    summary = write_summary(tmp_path, runs, log=messages.append)
+    assert [(r["lr"], r["epochs"], r["score"]) for r in summary["rows"]] == [("0.001", 2, 0.5), ("0.002", 2, 0.6)]
+    assert summary["best_per_task"]["RTE"]["score"] == 0.6
+    [warning] = [m for m in messages if m.startswith("warning:")]
+    assert "2 finished run(s)" in warning, warning
+    assert "epochs 5 instead of 2; max_eval_examples 10 instead of None; warmup 0.1 instead of 0.06" in warning
+    assert "epochs=2" in Path(summary["markdown"]).read_text() and summary["settings"]["epochs"] == 2
+
+
+def test_a_sweep_whose_runs_differ_beyond_task_lr_and_batch_size_is_refused(fixture_model_dir):
+    runs = grid(["RTE"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    runs.append(dataclasses.replace(runs[0], lr=2e-3, warmup=0.1))
+    with pytest.raises(SettingsError, match="must share every setting but task, lr, batch_size"):
+        run_sweep(fixture_model_dir, runs, log=quiet)
+
+
+def test_a_test_file_with_a_bad_row_fails_the_run_and_a_rerun_redoes_only_the_submission(shared_dir, tmp_path,
+                                                                                        capsys):
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES / "MRPC", glue / "MRPC")
+    test_file = glue / "MRPC" / "test.tsv"
+    good = test_file.read_text()
+    test_file.write_text(good + "2\tonly\tfour\tfields\n")
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
+    argv = ["--model-dir", str(model_dir), "--task", "MRPC", "--checkpoint", "0", "--lr", "1e-3", "--batch_size", "2",
+            "--epoch", "1", "--no-progress"]
+    assert run_glue_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "test.tsv:4" in err and "MRPC.tsv not written" in err, err
+    settings = settings_from_args_for(argv)
+    out = run_dir(model_dir / "model", settings)
+    trained = {p: p.stat().st_mtime_ns for p in (out / "best.model", log_path(model_dir / "model", settings))}
+    assert not (out / "submission" / "MRPC.tsv").exists()
+
+    # A sweep does not take the run for finished: it retries (only) the submission, which fails again.
+    outcome = run_sweep(model_dir, [settings], log=quiet)
+    assert outcome["skipped"] == [] and outcome["failed"] == [settings.run_name]
+
+    test_file.write_text(good)
+    assert run_glue_main(argv) == 0
+    assert len(read_submission(out / "submission" / "MRPC.tsv")) == 2
+    assert {p: p.stat().st_mtime_ns for p in trained} == trained  # not trained again
+    result = json.loads((out / "result.json").read_text())
+    assert result["submission"] == [str(out / "submission" / "MRPC.tsv")] and result["submission_errors"] == []
+    assert run_sweep(model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
+
+
+def settings_from_args_for(argv):
+    import argparse
+    from nystromformer.glue.commands import add_glue_arguments
+
+    parser = argparse.ArgumentParser()
+    add_glue_arguments(parser)
+    return settings_from_args(parser.parse_args(argv))

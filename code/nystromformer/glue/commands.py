@@ -13,24 +13,26 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..shards import ShardError
 from ..tokenizer import TokenizerError
-from .finetune import FinetuneSettings, SettingsError, finetune
+from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, SubmissionError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS, GlueDataError
 
-USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GlueDataError, ShardError, SettingsError)
+USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GlueDataError, ShardError, SettingsError,
+               SubmissionError)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", "--model_dir", default=".",
                    help="model folder with config.json (default: the current directory)")
     p.add_argument("--checkpoint", type=int, required=True, help="pretraining epoch N: starts from cp-N.model")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help=f"training seed (default {DEFAULT_SEED}); another value adds -seed<N> to the run name")
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None,
                    help="truncate inputs to this many tokens (default: the model's max_seq_len)")
     p.add_argument("--warmup", type=float, default=0.06, help="fraction of steps warming up (default 0.06)")
     p.add_argument("--weight-decay", "--weight_decay", type=float, default=0.01)
     p.add_argument("--max-train-examples", "--max_train_examples", type=int, default=None,
-                   help="train on a fixed random subset of this size (quick runs)")
+                   help="train on a fixed random subset of this size (quick runs); adds -train<N> to the run name")
     p.add_argument("--max-eval-examples", "--max_eval_examples", type=int, default=None,
                    help="evaluate on a fixed random subset of each dev split (test splits stay complete)")
     p.add_argument("--eval-batch-size", "--eval_batch_size", type=int, default=64)
@@ -112,8 +114,8 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     except USER_ERRORS as e:
         return _user_error(e)
     summary = outcome["summary"]
-    if summary["glue_average"] is not None:
-        print(f"GLUE average (best per task): {summary['glue_average'] * 100:.2f}; see {summary['markdown']}")
+    if summary["average"] is not None:
+        print(f"{summary['average_label']}: {summary['average'] * 100:.2f}; see {summary['markdown']}")
     return 1 if outcome["failed"] else 0
 
 

@@ -4,11 +4,14 @@ Trainer.
 One run = (task, checkpoint, lr, batch size, epochs). Everything it writes lives in the model folder's
 checkpoint dir (``model_checkpoints`` in config.json), named as the paper named its logs::
 
-    <checkpoint_dir>/glue-<task>-<checkpoint>-<lr>-<bs>-<epochs>.log     JSON lines, one per epoch
-    <checkpoint_dir>/glue/<task>-<checkpoint>-<lr>-<bs>-<epochs>/
+    <checkpoint_dir>/glue-<run>.log     JSON lines, one per epoch
+    <checkpoint_dir>/glue/<run>/
         best.model        fine-tuned weights of the best dev epoch
         submission/*.tsv  test-set predictions of those weights, in the GLUE server's format
-        result.json       written last: a run with this file is complete (the sweep skips it)
+        result.json       written last; a run is complete when it exists and lists no submission_errors
+
+with ``<run> = <task>-<checkpoint>-<lr>-<bs>-<epochs>``, plus ``-seed<N>`` when the seed is not 42 and
+``-train<N>`` with ``--max-train-examples N``, so such runs do not replace the default one.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -36,6 +39,7 @@ from .metrics import combine_dev_metrics, split_metrics, task_score
 from .submission import format_predictions, write_submission
 from .tasks import Example, GlueDataError, Task, get_task, read_ax, find_ax, read_split
 
+DEFAULT_SEED = 42
 # Subsets (--max-train-examples) are drawn with this seed, not the run's, so every configuration of a
 # sweep trains and evaluates on the same examples.
 SUBSET_SEED = 0
@@ -45,6 +49,10 @@ class SettingsError(ValueError):
     """Impossible fine-tuning settings (a flag's value)."""
 
 
+class SubmissionError(ValueError):
+    """A test file could not be predicted completely; the trained run is kept and a rerun redoes the submission."""
+
+
 @dataclass
 class FinetuneSettings:
     task: str
@@ -52,7 +60,7 @@ class FinetuneSettings:
     lr: float = 2e-5
     batch_size: int = 32
     epochs: int = 5
-    seed: int = 42
+    seed: int = DEFAULT_SEED
     max_seq_len: Optional[int] = None       # default: the model's max_seq_len
     warmup: float = 0.06                    # fraction of all steps with a linearly rising learning rate
     weight_decay: float = 0.01
@@ -72,8 +80,15 @@ class FinetuneSettings:
             raise SettingsError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup}")
 
     @property
+    def run_suffix(self) -> str:
+        """``-seed<N>`` / ``-train<N>`` for a non-default seed / training subset; empty for the defaults, so the
+        paper's names (and existing run folders) stay as they were."""
+        suffix = f"-seed{self.seed}" if self.seed != DEFAULT_SEED else ""
+        return suffix + (f"-train{self.max_train_examples}" if self.max_train_examples is not None else "")
+
+    @property
     def run_name(self) -> str:
-        return f"{self.task}-{self.checkpoint}-{self.lr:g}-{self.batch_size}-{self.epochs}"
+        return f"{self.task}-{self.checkpoint}-{self.lr:g}-{self.batch_size}-{self.epochs}{self.run_suffix}"
 
 
 def run_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
@@ -88,19 +103,35 @@ def log_path(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
 PRESENTATION_SETTINGS = {"progress", "device", "eval_batch_size"}
 
 
-def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
-    """The result of a finished run with these settings, or None when no such run has completed (a run of the
-    same name made with other settings -- seed, subset sizes, warm-up... -- does not count)."""
+def _stored_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
     path = run_dir(checkpoint_dir, settings) / "result.json"
     if not path.is_file():
         return None
     try:
-        result = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    wanted = {k: v for k, v in dataclasses.asdict(settings).items() if k not in PRESENTATION_SETTINGS}
-    stored = {k: v for k, v in result.get("settings", {}).items() if k not in PRESENTATION_SETTINGS}
-    return result if stored == wanted else None
+
+
+def settings_differences(settings: FinetuneSettings, stored: dict) -> List[str]:
+    """``"name old -> new"`` for each setting that changes results and differs from a stored run's."""
+    wanted = dataclasses.asdict(settings)
+    return [f"{k} {stored.get(k)} -> {v}" for k, v in wanted.items()
+            if k not in PRESENTATION_SETTINGS and stored.get(k) != v]
+
+
+def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
+    """The result of a run with these settings whose training completed, or None (a run of the same name made
+    with other settings -- subset sizes, warm-up... -- does not count). See ``is_finished`` for the submission."""
+    result = _stored_result(checkpoint_dir, settings)
+    if result is None or settings_differences(settings, result.get("settings", {})):
+        return None
+    return result
+
+
+def is_finished(result: Optional[dict]) -> bool:
+    """Trained and with every submission file written (a failed submission is redone by the next run)."""
+    return result is not None and not result.get("submission_errors")
 
 
 def resolve_tokenizer(cfg: Config):
@@ -234,8 +265,21 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
 
     out_dir = run_dir(checkpoint_dir, settings)
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
-    log(f"fine-tuning {pretrained} on {task.name}: {len(train_examples)} train examples, "
-        f"{', '.join(f'{len(ex)} {s}' for s, ex in dev_examples.items())} dev examples, {total_steps} steps on {device}")
+    previous = read_result(checkpoint_dir, settings)
+    if previous is not None and previous.get("submission_errors") and best_path.is_file():
+        log(f"{out_dir}: trained earlier, but its submission failed; redoing only the submission from {best_path}")
+        return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
+                       previous, log)
+    stored = _stored_result(checkpoint_dir, settings)
+    if stored is not None and previous is None:
+        log(f"warning: replacing {out_dir}, a run made with other settings "
+            f"({', '.join(settings_differences(settings, stored.get('settings', {})))})")
+    if list(dev_examples) == ["dev"]:
+        dev_counts = _count(len(dev_examples["dev"]), "dev example")
+    else:
+        dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in dev_examples.items()) + " examples"
+    log(f"fine-tuning {pretrained} on {task.name}: {_count(len(train_examples), 'train example')}, {dev_counts}, "
+        f"{_count(total_steps, 'step')} on {device}")
 
     history: List[dict] = []
     best: Optional[dict] = None
@@ -274,29 +318,45 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         log(f"{task.name} epoch {epoch}/{settings.epochs}: train loss {entry['train_loss']:.4f}, dev "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    submission_files = []
-    if settings.submission:
-        weights = torch.load(best_path, map_location="cpu", weights_only=True)["model_state_dict"]
-        model.load_state_dict(weights)
-        submission_files = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len,
-                                                 with_token_types, settings.eval_batch_size, out_dir / "submission", log)
-
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "submission": [str(p) for p in submission_files]}
-    atomic.write_json(out_dir / "result.json", result)
+              "submission": [], "submission_errors": []}
     log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
+    return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
+                   result, log)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _submit(runner: Runner, model: torch.nn.Module, task: Task, glue_dir: Path, tokenizer, max_seq_len: int,
+            with_token_types: bool, settings: FinetuneSettings, out_dir: Path, result: dict, log) -> dict:
+    """Predict the test files with the best weights and write result.json (also when a test file fails, so
+    that a rerun redoes only this step); raises SubmissionError when a submission file could not be written."""
+    files, errors = [], []
+    if settings.submission:
+        weights = torch.load(out_dir / "best.model", map_location="cpu", weights_only=True)["model_state_dict"]
+        model.load_state_dict(weights)
+        files, errors = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len, with_token_types,
+                                              settings.eval_batch_size, out_dir / "submission", log)
+    result = {**result, "submission": [str(p) for p in files], "submission_errors": errors}
+    atomic.write_json(out_dir / "result.json", result)
+    if errors:
+        raise SubmissionError(f"{'; '.join(errors)}. The trained run is kept in {out_dir}: fix the file and rerun "
+                              f"the same command, which redoes only the submission")
     return result
 
 
 def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer, max_seq_len: int,
-                          with_token_types: bool, batch_size: int, out_dir: Path, log) -> List[Path]:
-    """Predict every test split of the task (and AX for MNLI); a missing test file is reported, not fatal."""
+                          with_token_types: bool, batch_size: int, out_dir: Path, log) -> Tuple[List[Path], List[str]]:
+    """Predict every test split of the task (and AX for MNLI); returns the files written and one error per file
+    that could not be (a test file with a malformed row). A missing test file is reported, not an error."""
     splits = {name: (lambda name=name: read_split(glue_dir, task, name)) for name in task.test}
     if task.name == "MNLI" and find_ax(glue_dir) is not None:
         splits["AX.tsv"] = lambda: read_ax(glue_dir)
-    written = []
+    written, errors = [], []
     collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
     for file_name, read in splits.items():
         try:
@@ -305,8 +365,8 @@ def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer,
             log(f"no {file_name} submission: {e}")
             continue
         if result.report():
-            # The GLUE server rejects a file with missing indices: say so loudly rather than write a bad file.
-            log(f"error: {result.report()}; {file_name} not written (the GLUE server needs every index)")
+            # The GLUE server rejects a file with missing indices: fail the run rather than write a bad file.
+            errors.append(f"{result.report()}; {file_name} not written (the GLUE server needs every index)")
             continue
         loader = DataLoader(EncodedDataset(result.examples, tokenizer, max_seq_len, with_token_types),
                             batch_size=batch_size, collate_fn=collate)
@@ -315,4 +375,4 @@ def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer,
         written.append(out_dir / file_name)
     if written:
         log(f"wrote {', '.join(p.name for p in written)} to {out_dir}")
-    return written
+    return written, errors

@@ -3,12 +3,18 @@
 Runs go one per GPU in parallel when several devices are given (each a subprocess of
 ``run_glue.py`` (= ``nystromformer glue``) with its own CUDA_VISIBLE_DEVICES), and one after another in this process
 otherwise. A run with a result.json is finished and skipped, so an interrupted sweep resumes where it
-stopped. The summary (CSV, Markdown, PNG) goes to ``<checkpoint_dir>/glue/sweep-<checkpoint>/``.
+stopped. The summary (CSV, Markdown, PNG) goes to ``<checkpoint_dir>/glue/sweep-<checkpoint>[<suffix>]/`` and
+covers every finished run in ``<checkpoint_dir>/glue/`` made with this sweep's settings bar task, lr and batch size,
+not only this sweep's grid (the suffix: ``-seed<N>``/``-train<N>`` as in the run names, so runs with another seed or
+training subset get their own summary; runs differing in epochs, warm-up, sequence length... are left out, with a
+warning).
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
+import json
 import os
 import queue
 import subprocess
@@ -21,7 +27,8 @@ import numpy as np
 
 from .. import atomic
 from ..config import load_config
-from .finetune import FinetuneSettings, SettingsError, finetune, read_result, run_dir
+from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, finetune, is_finished, read_result,
+                       run_dir)
 from .tasks import TASKS
 
 PAPER_LRS = (2e-5, 3e-5, 4e-5, 5e-5)
@@ -35,8 +42,24 @@ def grid(tasks: Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int],
     return [FinetuneSettings(task=t, lr=lr, batch_size=bs, **common) for t in tasks for lr in lrs for bs in batch_sizes]
 
 
-def summary_dir(checkpoint_dir: Path, checkpoint: int) -> Path:
-    return Path(checkpoint_dir) / "glue" / f"sweep-{checkpoint}"
+def summary_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
+    return Path(checkpoint_dir) / "glue" / f"sweep-{settings.checkpoint}{settings.run_suffix}"
+
+
+# What a sweep varies. Its runs share every other setting that changes a dev score, and a summary compares only
+# runs that share them too (submission: whether test predictions are written; no dev score changes with it).
+GRID_AXES = ("task", "lr", "batch_size")
+NOT_COMPARED = {*GRID_AXES, *PRESENTATION_SETTINGS, "submission"}
+
+
+def shared_settings(settings: FinetuneSettings) -> dict:
+    """The settings a summary's runs must agree on (checkpoint, seed, epochs, max_seq_len, warmup...)."""
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in NOT_COMPARED}
+
+
+def _summary_key(settings: FinetuneSettings) -> tuple:
+    """Which summary folder a run belongs to (see summary_dir)."""
+    return settings.checkpoint, settings.seed, settings.max_train_examples
 
 
 def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, checkpoint_dir: Path) -> int:
@@ -60,8 +83,13 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
     worker each (parallel); None or a single device runs sequentially in this process.
     Returns {"summary": write_summary(...), "ran": [...], "skipped": [...], "failed": [...]} (run names)."""
     model_dir = Path(model_dir)
+    if not runs:
+        raise SettingsError("the sweep has no runs (no tasks, learning rates or batch sizes given)")
+    if any(shared_settings(s) != shared_settings(runs[0]) for s in runs):
+        raise SettingsError(f"a sweep's runs must share every setting but {', '.join(GRID_AXES)} (its summary "
+                            f"compares runs made alike); run one sweep per combination")
     checkpoint_dir = load_config(model_dir).checkpoint_dir
-    pending = [s for s in runs if read_result(checkpoint_dir, s) is None]
+    pending = [s for s in runs if not is_finished(read_result(checkpoint_dir, s))]
     skipped = [s.run_name for s in runs if s not in pending]
     if skipped:
         log(f"skipping {len(skipped)} finished run(s): {', '.join(skipped)}")
@@ -80,7 +108,8 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
                 code = _run_subprocess(model_dir, settings, device, checkpoint_dir)
                 if code != 0:
                     failed.append(settings.run_name)
-                    log(f"FAILED {settings.run_name} (exit {code}); see {run_dir(checkpoint_dir, settings) / 'console.txt'}")
+                    console = run_dir(checkpoint_dir, settings) / "console.txt"
+                    log(f"FAILED {settings.run_name} (exit {code}); see {console}")
             finally:
                 free.put(device)
 
@@ -100,14 +129,54 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
             "skipped": skipped, "failed": failed}
 
 
+def finished_runs(checkpoint_dir: Path, like: FinetuneSettings,
+                  log: Callable[[str], None] = print) -> List[tuple]:
+    """(settings, result) of every run in ``<checkpoint_dir>/glue/`` whose training completed with ``like``'s
+    shared settings (see ``shared_settings``), in GLUE's task order, then by lr and batch size. Finished runs of the
+    same summary folder (checkpoint, seed, training subset) made with other settings are left out, with a
+    warning: their scores are not comparable (a longer schedule, other sequence lengths or dev subsets...)."""
+    found, others = [], []
+    wanted = shared_settings(like)
+    for path in sorted((Path(checkpoint_dir) / "glue").glob("*/result.json")):
+        try:
+            result = json.loads(path.read_text())
+            settings = FinetuneSettings(**result["settings"])
+        except (ValueError, TypeError, KeyError) as e:  # not silently: the summary would miss it
+            log(f"warning: {path} is unreadable ({type(e).__name__}: {e}); not in the summary")
+            continue
+        if _summary_key(settings) != _summary_key(like):
+            continue  # another summary folder's run
+        if path.parent.name != settings.run_name:  # e.g. seed 7 run by a version without -seed7 in its names
+            log(f"warning: {path.parent} holds run {settings.run_name}; not in the summary (rename the folder to "
+                f"{settings.run_name} to include it)")
+            continue
+        if shared_settings(settings) != wanted:
+            others.append(settings)
+            continue
+        found.append((settings, result))
+    if others:
+        theirs: Dict[str, set] = {}
+        for s in others:
+            for k, v in shared_settings(s).items():
+                if v != wanted[k]:
+                    theirs.setdefault(k, set()).add(str(v))
+        values = "; ".join(f"{k} {', '.join(sorted(theirs[k]))} instead of {wanted[k]}" for k in sorted(theirs))
+        log(f"warning: {len(others)} finished run(s) in {Path(checkpoint_dir) / 'glue'} made with other settings "
+            f"({values}) are not in the summary, which compares runs made alike; rerun the sweep with their "
+            f"settings to summarise them")
+    order = {t: i for i, t in enumerate(TASKS)}
+    return sorted(found, key=lambda sr: (order.get(sr[0].task, len(order)), sr[0].lr, sr[0].batch_size))
+
+
 def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = print) -> dict:
-    """summary.csv (one row per finished configuration), summary.md (that table, the best configuration of
-    each task and the GLUE average of those) and dev_scores.png (dev score per epoch)."""
+    """summary.csv (one row per finished run made with the sweep's shared settings, whichever sweep ran it),
+    summary.md (that table, the best configuration of each task and the average of those) and dev_scores.png
+    (dev score per epoch).
+    The average is the GLUE average only when it covers every GLUE task; ``average_tasks`` says which it covers."""
     if not runs:
         raise SettingsError("the sweep has no runs (no tasks, learning rates or batch sizes given)")
-    results = [(s, r) for s in runs if (r := read_result(checkpoint_dir, s)) is not None]
-    checkpoints = sorted({s.checkpoint for s in runs})
-    out = summary_dir(checkpoint_dir, checkpoints[0] if len(checkpoints) == 1 else "mixed")
+    results = finished_runs(checkpoint_dir, runs[0], log)
+    out = summary_dir(checkpoint_dir, runs[0])
     metric_names = sorted({m for _, r in results for m in r["best_metrics"]})
     rows = [{"task": s.task, "checkpoint": s.checkpoint, "lr": f"{s.lr:g}", "batch_size": s.batch_size,
              "epochs": s.epochs, "best_epoch": r["best_epoch"], "score": round(r["best_score"], 6),
@@ -118,9 +187,11 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     for row in rows:
         if row["task"] not in best_per_task or row["score"] > best_per_task[row["task"]]["score"]:
             best_per_task[row["task"]] = row
-    # Tasks in GLUE's order; the average is over the tasks this sweep covered.
+    # Tasks in GLUE's order; the average is over the tasks with a finished run.
     best_per_task = {t: best_per_task[t] for t in TASKS if t in best_per_task}
-    glue_average = float(np.mean([r["score"] for r in best_per_task.values()])) if best_per_task else None
+    average = float(np.mean([r["score"] for r in best_per_task.values()])) if best_per_task else None
+    complete = len(best_per_task) == len(TASKS)
+    average_label = average_description(list(best_per_task))
 
     columns = ["task", "checkpoint", "lr", "batch_size", "epochs", "best_epoch", "score", *metric_names]
     buf = io.StringIO()
@@ -137,18 +208,33 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
             lines.append("| " + " | ".join(cells) + " |")
         return lines
 
-    md = ["# GLUE sweep", "", f"Dev scores ×100 of {len(rows)} finished run(s) of {len(runs)}. "
-          "score = mean of the task's metrics.", "", "## Best configuration per task", "",
+    shared = shared_settings(runs[0])
+    md = ["# GLUE sweep", "", f"Dev scores ×100 of the {len(rows)} finished run(s) of checkpoint "
+          f"{runs[0].checkpoint}{runs[0].run_suffix} in {Path(checkpoint_dir) / 'glue'} made with "
+          f"{', '.join(f'{k}={v}' for k, v in shared.items())}. score = mean of the task's metrics.", "",
+          "## Best configuration per task", "",
           *table(list(best_per_task.values())), ""]
-    if glue_average is not None:
-        md += [f"**GLUE average** (best per task, over {', '.join(best_per_task)}): {glue_average * 100:.2f}", ""]
+    if average is not None:
+        md += [f"**{average_label}**: {average * 100:.2f}", ""]
     md += ["## All configurations", "", *table(rows), ""]
     atomic.write_text(out / "summary.md", "\n".join(md))
 
     plot = _plot_dev_scores(results, out / "dev_scores.png") if results else None
-    log(f"sweep summary: {len(rows)}/{len(runs)} runs finished; written to {out}")
+    unfinished = sum(not is_finished(read_result(checkpoint_dir, s)) for s in runs)
+    log(f"sweep summary of {len(rows)} finished run(s) ({unfinished} of this sweep's {len(runs)} unfinished); "
+        f"written to {out}")
     return {"dir": str(out), "csv": str(out / "summary.csv"), "markdown": str(out / "summary.md"),
-            "plot": plot, "rows": rows, "best_per_task": best_per_task, "glue_average": glue_average}
+            "plot": plot, "rows": rows, "settings": shared, "best_per_task": best_per_task, "average": average,
+            "average_tasks": list(best_per_task), "average_label": average_label,
+            "glue_average": average if complete else None}
+
+
+def average_description(tasks: List[str]) -> str:
+    """How to call the mean of the best score per task: the GLUE average only over all nine tasks."""
+    if len(tasks) == len(TASKS):
+        return f"GLUE average (best per task, all {len(TASKS)} tasks)"
+    return (f"Average of the best per task over {', '.join(tasks)} ({len(tasks)} of {len(TASKS)} GLUE tasks; "
+            f"not the GLUE average)")
 
 
 def _plot_dev_scores(results, path: Path) -> str:
