@@ -35,6 +35,9 @@ def with_change(section, key, value):
     ("gpu_setting", "compile", "fast", "gpu_setting.compile: must be one of none, default, reduce-overhead"),
     (None, "data_dir", "x", "data_dir: unknown key"),
     (None, "model", [1, 2], "model: expected an object"),
+    ("pretraining_setting", "learning_rate", float("inf"), "learning_rate: must be a finite number, got Infinity"),
+    ("model", "dropout_prob", float("nan"), "model.dropout_prob: must be a finite number, got NaN"),
+    (None, "from_cp", "", "from_cp: must be a non-empty path, or null"),
 ])
 def test_bad_values_are_rejected_with_the_key_named(section, key, value, message):
     with pytest.raises(ConfigError, match=None) as err:
@@ -51,6 +54,21 @@ def test_errors_from_files_name_the_file(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "elsewhere")
+
+
+def test_non_finite_numbers_in_the_file_are_rejected_with_the_key_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config()).replace('"learning_rate": 0.002',
+                                                                            '"learning_rate": Infinity'))
+    with pytest.raises(ConfigError, match=r"config.json: pretraining_setting.learning_rate: must be a finite number, "
+                                          r"got Infinity"):
+        load_config(tmp_path)
+
+
+def test_a_key_given_twice_is_rejected_with_the_key_and_file_named(tmp_path):
+    text = json.dumps(tiny_config(), indent=2).replace('"epoch": 3,', '"epoch": 3, "epoch": 30,')
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"config.json: pretraining_setting.epoch: appears more than once"):
+        load_config(tmp_path)
 
 
 def test_missing_keys_take_the_paper_defaults():

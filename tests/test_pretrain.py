@@ -1,4 +1,5 @@
 """Pretraining: learning, exact resume, checkpoint fallback, from_cp warm starts, DDP equivalence."""
+import argparse
 import json
 import os
 import signal
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nystromformer import checkpoint
-from nystromformer.config import ConfigError, load_config
+from nystromformer import checkpoint, plots
+from nystromformer.config import ConfigError, config_from_dict, load_config
 from nystromformer.mlm import generator, mask_tokens
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
-from nystromformer.pretrain import PREEMPTED_EXIT_CODE, pretrain
+from nystromformer.pretrain import (MAX_CONSECUTIVE_SKIPPED_STEPS, PREEMPTED_EXIT_CODE, NonFiniteLosses,
+                                    TrainingDiverged, build_scheduler, pretrain)
 
 from helpers import SPECIAL, read_log, tiny_config, write_model_dir, write_synthetic_data
 
@@ -137,27 +139,53 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     assert losses(folder) == uninterrupted[0]
 
 
-def test_with_no_readable_checkpoint_the_run_starts_over(tmp_path, data, capsys):
+@pytest.mark.parametrize("damage", ["corrupt", "deleted"])
+def test_a_folder_with_an_earlier_run_but_no_readable_cp_is_refused_and_left_as_it_is(tmp_path, data, damage):
     folder = model_dir(tmp_path, pretraining_setting={"epoch": 2})
     run(folder, stop_at_step=4)
-    (folder / "model" / "cp-0000.cp").write_bytes(b"not a checkpoint")
+    cp = folder / "model" / "cp-0000.cp"
+    if damage == "corrupt":
+        cp.write_bytes(b"not a checkpoint")
+    else:
+        cp.unlink()
+    before = {p.name: p.read_bytes() for p in (folder / "model").iterdir()}
+    with pytest.raises(checkpoint.CheckpointError, match=r"run/model: holds an earlier run \(.*cp-0000.model.*\) "
+                                                         r"but no readable .cp .* Move or delete"):
+        run(folder)
+    assert {p.name: p.read_bytes() for p in (folder / "model").iterdir()} == before
+
+
+def test_a_log_of_steps_never_checkpointed_does_not_block_a_fresh_start(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    run(folder, stop_at_step=2)
+    # As after a hard kill in the first epoch: logged steps, but nothing saved.
+    (folder / "model" / "step-00000002.cp").unlink()
+    log = folder / "model" / "pretrain_output.log"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"preempted"' not in line))
     assert run(folder) == 0
-    out = capsys.readouterr().out
-    assert "warning: skipping" in out and "cp-0000.cp" in out
-    assert [s for s, _ in losses(folder)] == list(range(1, 9))
+    assert [s for s, _ in losses(folder)] == [1, 2, 3, 4]
 
 
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_the_rerun_continues(tmp_path, data):
-    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 2000, "epoch": 1})
+def start_pretraining(folder):
+    """A pretraining subprocess, returned once it has logged a few steps."""
     log = folder / "model" / "pretrain_output.log"
     cmd = [sys.executable, str(REPO / "code" / "run_pretrain.py"), "--model-dir", str(folder), "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
     while time.time() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 3):
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
+    return proc
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGTERM, PREEMPTED_EXIT_CODE), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_rerun_continues(tmp_path, data, signum,
+                                                                                          exit_code):
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 2000, "epoch": 1})
+    proc = start_pretraining(folder)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == PREEMPTED_EXIT_CODE, out
+    assert proc.returncode == exit_code, out
     (cp,) = (folder / "model").glob("step-*.cp")
     stopped = checkpoint.load(cp)["step"]
     assert [s for s, _ in losses(folder)] == list(range(1, stopped + 1))
@@ -194,11 +222,21 @@ def test_from_cp_warm_starts_a_longer_model_by_tiling_position_embeddings(tmp_pa
     assert run(long) == 0
     assert len(read_log(long / "model" / "pretrain_output.log", "resume")) == 1
 
+    # Warm-starting from a longer model would need to shorten the position table.
+    shorter = model_dir(tmp_path, "shorter", model={"max_seq_len": 128}, data_folder="../data128",
+                        from_cp="../long/model/cp-0000.model")
+    with pytest.raises(checkpoint.CheckpointError, match=r"shorter/config.json: model.max_seq_len: 128 is shorter "
+                                                         r"than the checkpoint's length 512.*from_cp: .*long"):
+        run(shorter)
+
 
 def test_tiling_needs_a_whole_multiple_of_the_old_length():
     state = {checkpoint.POSITION_KEY: torch.zeros(130, 4)}
-    with pytest.raises(checkpoint.CheckpointError, match="multiple of the checkpoint's length 128"):
+    with pytest.raises(checkpoint.CheckpointError, match="300 is not a multiple of the checkpoint's length 128"):
         checkpoint.extend_position_embeddings(state, 300)
+    with pytest.raises(checkpoint.CheckpointError, match="64 is shorter than the checkpoint's length 128; a warm "
+                                                         "start keeps or lengthens"):
+        checkpoint.extend_position_embeddings(state, 64)
 
 
 def test_from_cp_reports_missing_and_unexpected_keys(tmp_path):
@@ -225,7 +263,7 @@ def test_bad_config_stops_the_command_with_the_key_named(tmp_path, data):
 
 def test_data_with_a_larger_vocabulary_than_the_model_is_refused(tmp_path, data):
     folder = model_dir(tmp_path, model={"vocab_size": 32})
-    with pytest.raises(Exception, match="model.vocab_size"):
+    with pytest.raises(ConfigError, match=r"run/config.json: model.vocab_size: 32 is smaller .*data/meta.json"):
         run(folder)
 
 
@@ -291,3 +329,254 @@ def test_stop_at_step_at_or_past_the_end_finishes_normally(tmp_path, data):
     folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
     assert run(folder, stop_at_step=4) == 0
     assert run(folder, stop_at_step=4) == 0  # nothing left to do
+
+
+@pytest.mark.parametrize("warmup,epoch,batches_per_epoch", [(0.01, 1, 100), (0.05, 1, 20), (0.5, 1, 2), (0.01, 1, 30)])
+def test_a_warm_up_of_at_most_one_step_starts_at_the_peak_rate_and_decays(warmup, epoch, batches_per_epoch):
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(warmup=warmup, epoch=epoch, batches_per_epoch=batches_per_epoch)
+    cfg = config_from_dict(cfg)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, cfg)
+    rates = []
+    for _ in range(epoch * batches_per_epoch):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    peak = cfg.pretraining_setting.learning_rate
+    assert rates[0] == pytest.approx(peak, rel=0.05)
+    assert all(a >= b for a, b in zip(rates, rates[1:])) and rates[-1] < peak / 1000
+
+
+def test_a_one_step_warm_up_pretrains(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"warmup": 0.5, "epoch": 1, "batches_per_epoch": 2})
+    assert run(folder) == 0
+    assert [e["lr"] for e in read_log(folder / "model" / "pretrain_output.log")][0] == 2e-3
+
+
+def test_a_missing_from_cp_is_an_error_naming_the_key_and_the_path(tmp_path, data):
+    folder = model_dir(tmp_path, from_cp="../nowhere/cp-0000.model")
+    with pytest.raises(ConfigError, match=r"run/config.json: from_cp: .*nowhere/cp-0000.model does not exist"):
+        run(folder)
+
+
+def rewrite_data(tmp_path, **changes):
+    for p in (tmp_path / "data").iterdir():
+        p.unlink()
+    write_synthetic_data(tmp_path / "data", **changes)
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"seed": 1}, r"training shards listed in .*data/train.json: their first or last rows differ"),
+    ({"num_train": 200}, r"data/train.json: the shard list .* 3 shard\(s\) of 256 sequences then, 2 of 200 now"),
+    ({"vocab_size": 60}, r"data/meta.json: vocab_size was 64, is 60")])
+def test_resuming_on_other_training_data_is_refused_naming_what_changed(tmp_path, data, changes, named):
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    rewrite_data(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=rf"run/config.json: data_folder: .*data is not the data "
+                                          rf".*step-00000005.cp was trained on \(.*{named}"):
+        run(folder)
+
+
+def test_the_same_data_rebuilt_with_the_tokenizer_elsewhere_resumes(tmp_path, uninterrupted):
+    # meta.json records the tokenizer's absolute path, which differs between clusters and checkouts.
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    rewrite_data(tmp_path)
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    meta["tokenizer"] = "/elsewhere/checkout/tokenizers/roberta-base"
+    (tmp_path / "data" / "meta.json").write_text(json.dumps(meta, indent=4))
+    assert run(folder) == 0
+    assert losses(folder) == uninterrupted[0]
+
+
+@pytest.mark.parametrize("record", [None, {"meta.json": "0" * 64, "train.json": "0" * 64, "train-*.npy": "0" * 64}],
+                         ids=["none", "older format"])
+def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(tmp_path, data, record):
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    cp = folder / "model" / "step-00000005.cp"
+    state = checkpoint.load(cp)
+    if record is None:
+        del state["data"]  # as written before the data were recorded
+    else:
+        state["data"] = record  # as written when raw file hashes were recorded: nothing to compare
+    torch.save(state, cp)
+    rewrite_data(tmp_path, seed=1)
+    assert run(folder) == 0
+
+
+def test_checkpoints_and_logs_get_the_mode_the_umask_gives_ordinary_files(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    old = os.umask(0o002)
+    try:
+        run(folder)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (folder / "model").iterdir()}
+    assert modes["cp-0000.cp"] == modes["cp-0000.model"] == modes["pretrain_output.log"] == 0o664, modes
+
+
+def drop_dev_entries(folder, step):
+    log = folder / "model" / "pretrain_output.log"
+    lines = [line for line in log.read_text().splitlines()
+             if not (json.loads(line)["type"] == "dev" and json.loads(line)["step"] == step)]
+    log.write_text("".join(line + "\n" for line in lines))
+
+
+def test_a_dev_evaluation_lost_after_the_epoch_checkpoint_is_redone_on_resume(tmp_path, uninterrupted):
+    folder = model_dir(tmp_path)
+    assert run(folder, stop_at_step=4) == PREEMPTED_EXIT_CODE
+    drop_dev_entries(folder, 4)  # as if killed between cp-0000.cp and its dev evaluation
+    assert run(folder) == 0
+    assert losses(folder, "dev") == uninterrupted[1]
+
+
+def test_rerunning_a_finished_run_says_so_and_leaves_the_log_alone(tmp_path, data, capsys):
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    assert run(folder) == 0
+    log = folder / "model" / "pretrain_output.log"
+    before = log.read_text()
+    capsys.readouterr()
+    assert run(folder) == 0
+    assert "already finished" in capsys.readouterr().out
+    assert log.read_text() == before
+    # Killed before the last dev evaluation: the rerun does only that.
+    drop_dev_entries(folder, 4)
+    assert run(folder) == 0
+    assert log.read_text() == before
+
+
+def test_pretraining_without_a_dev_split_but_with_dev_batches_is_refused_at_start(tmp_path, data):
+    (data / "dev.json").unlink()
+    folder = model_dir(tmp_path)
+    with pytest.raises(ConfigError, match=r"run/config.json: pretraining_setting.validate_batches_per_epoch: is 2 "
+                                          r"but .*data/dev.json does not exist"):
+        run(folder)
+    assert not (folder / "model" / "pretrain_output.log").exists()
+
+
+def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 1, "epoch": 6})
+    assert run(folder, stop_at_step=2) == PREEMPTED_EXIT_CODE
+    # Weights that went NaN in step 2: the resumed run's next step (3) has a NaN loss.
+    cp = folder / "model" / "cp-0001.cp"
+    state = checkpoint.load(cp)
+    state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"].fill_(float("nan"))
+    torch.save(state, cp)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3.* cp-0000.cp \(step 1\) is the newest "
+                                               r"checkpoint from before the divergence; cp-0001.cp already hold"):
+        run(folder)
+    assert sorted(p.name for p in (folder / "model").glob("*.cp")) == ["cp-0000.cp", "cp-0001.cp"]
+    strict = dict(parse_constant=lambda c: pytest.fail(f"{c} in the JSON log"))
+    log = (folder / "model" / "pretrain_output.log").read_text().splitlines()
+    assert [e["step"] for e in map(lambda line: json.loads(line, **strict), log) if e["type"] == "train"] == [1, 2]
+
+
+def test_with_loss_scaling_only_a_run_of_non_finite_losses_is_a_divergence(tmp_path):
+    # fp16's GradScaler skips a step with a non-finite loss, leaving the weights as they were.
+    scaled = NonFiniteLosses(True, tmp_path, 4)
+    nan = float("nan")
+    assert [scaled.check(loss, step) for step, loss in enumerate([1.0, nan, 1.0, nan], 1)] == [False, True, False, True]
+    last = 3 + MAX_CONSECUTIVE_SKIPPED_STEPS  # the run of non-finite losses from step 4 that stops the run
+    for step in range(5, last):
+        assert scaled.check(float("inf"), step)
+    with pytest.raises(TrainingDiverged, match=rf"not finite at {MAX_CONSECUTIVE_SKIPPED_STEPS} steps in a row "
+                                               rf"\(4 to {last}"):
+        scaled.check(nan, last)
+    # Without it (bf16, fp32) the step has already put NaN into the weights: the first one stops the run.
+    unscaled = NonFiniteLosses(False, tmp_path, 4)
+    assert not unscaled.check(1.0, 1)
+    with pytest.raises(TrainingDiverged, match="the training loss is inf at step 2"):
+        unscaled.check(float("inf"), 2)
+
+
+def test_a_second_run_on_a_busy_model_folder_is_refused_and_leaves_the_log_alone(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 2000, "epoch": 1})
+    proc = start_pretraining(folder)
+    try:
+        with pytest.raises(checkpoint.CheckpointError, match=r"another pretraining run is using this model folder "
+                                                             r"\(.* pid \d+ holds .*pretrain.lock\)"):
+            run(folder)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out
+    steps = [s for s, _ in losses(folder)]
+    assert steps == list(range(1, len(steps) + 1))  # one run's lines, in order
+    assert (folder / "model" / "pretrain.lock").exists() and run(folder, stop_at_step=steps[-1] + 1) == 143
+
+
+@pytest.mark.parametrize("broken", ["model folder is a file", "lock is a folder"])
+def test_a_model_folder_that_cannot_be_locked_is_an_error_naming_the_key(tmp_path, data, broken):
+    folder = model_dir(tmp_path)
+    if broken == "model folder is a file":
+        (folder / "model").write_text("")
+    else:
+        (folder / "model" / "pretrain.lock").mkdir(parents=True)
+    with pytest.raises(checkpoint.CheckpointError, match=r"run/config.json: model_checkpoints: cannot create "
+                                                         r".*run/model or take its lock .*Error"):
+        run(folder)
+
+
+@pytest.mark.slow
+def test_under_ddp_a_lock_failure_on_rank_0_stops_every_rank_at_once(tmp_path, data):
+    folder = model_dir(tmp_path)
+    (folder / "model" / "pretrain.lock").mkdir(parents=True)  # os.open fails on rank 0 only
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                           str(REPO / "code" / "run_pretrain.py"), "--model-dir", str(folder), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=120)  # not the 30-minute gloo timeout
+    assert proc.returncode != 0
+    assert "model_checkpoints: cannot create" in proc.stderr and "see rank 0's error" in proc.stderr, proc.stderr
+
+
+def test_from_cp_in_the_run_s_own_checkpoint_folder_is_no_earlier_run(tmp_path, data):
+    source = model_dir(tmp_path, "source", pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    assert run(source) == 0
+    # A .model copied into the new folder under a name the new run (3 epochs) does not write.
+    folder = model_dir(tmp_path, from_cp="model/cp-0007.model")
+    (folder / "model").mkdir()
+    (folder / "model" / "cp-0007.model").write_bytes((source / "model" / "cp-0000.model").read_bytes())
+    assert run(folder, stop_at_step=1) == PREEMPTED_EXIT_CODE
+    assert read_log(folder / "model" / "pretrain_output.log", "warm_start")[0]["checkpoint"].endswith("cp-0007.model")
+
+
+def test_from_cp_that_the_run_would_overwrite_is_refused_naming_the_key(tmp_path, data):
+    source = model_dir(tmp_path, "source", pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    assert run(source) == 0
+    folder = model_dir(tmp_path, from_cp="model/cp-0001.model")
+    (folder / "model").mkdir()
+    weights = (source / "model" / "cp-0000.model").read_bytes()
+    (folder / "model" / "cp-0001.model").write_bytes(weights)
+    with pytest.raises(ConfigError, match=r"run/config.json: from_cp: .*cp-0001.model lies in this run's checkpoint "
+                                          r"folder, where the run writes its own checkpoints and would overwrite it"):
+        run(folder)
+    assert sorted(p.name for p in (folder / "model").iterdir()) == ["cp-0001.model", "pretrain.lock"]
+    assert (folder / "model" / "cp-0001.model").read_bytes() == weights
+
+
+def write_log(folder):
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "pretrain_output.log").write_text(
+        "".join(json.dumps({"type": kind, "epoch": 0, "step": s, "loss": 4.0 / s, "mlm_accu": 0.1 * s}) + "\n"
+                for s, kind in ((1, "train"), (2, "train"), (2, "dev"))))
+    return folder
+
+
+def test_plot_labels_runs_whose_folders_share_a_name_by_the_shortest_distinguishing_path(tmp_path):
+    runs = [write_log(model_dir(tmp_path / parent, "run")) for parent in ("a", "b")]
+    runs.append(write_log(model_dir(tmp_path, "other")))
+    assert list(plots.run_labels([str(r) for r in runs])) == ["a/run", "b/run", "other"]
+    args = argparse.Namespace(model_dir=[str(r) for r in runs], output=tmp_path / "curves.png")
+    assert plots.run(args) == 0
+    assert args.output.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_reports_a_missing_log_on_stderr(tmp_path, capsys):
+    folder = model_dir(tmp_path)
+    args = argparse.Namespace(model_dir=[str(folder)], output=tmp_path / "curves.png")
+    assert plots.run(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "error:" in err and "pretrain_output.log does not exist" in err

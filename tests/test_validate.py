@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nystromformer.checkpoint import CheckpointError
-from nystromformer.config import load_config
+from nystromformer.config import ConfigError, load_config
 from nystromformer.pretrain import pretrain
 from nystromformer.validate import validate
 
@@ -68,3 +68,11 @@ def test_dev_masks_do_not_depend_on_the_micro_batch_size(trained):
     other = validate(cfg, epochs=[1], num_sequences=24)[0]
     assert small["num_masked"] == other["num_masked"]
     assert small["loss"] == pytest.approx(other["loss"], abs=1e-6)
+
+
+def test_fewer_than_one_dev_sequence_is_refused_and_nothing_is_logged(tmp_path):
+    write_synthetic_data(tmp_path / "data")
+    folder = write_model_dir(tmp_path / "run", tiny_config())
+    with pytest.raises(ConfigError, match="--num-sequences: must be >= 1, got 0"):
+        validate(load_config(folder), epochs=[0], num_sequences=0)
+    assert not (folder / "model" / "validation_output.log").exists()

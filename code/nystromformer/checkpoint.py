@@ -74,7 +74,7 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
-        raise
+        raise CheckpointError(f"{path}: no such checkpoint file") from None
     except Exception as e:  # truncated zip, bad magic, unpicklable object...
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or "model_state_dict" not in obj:
@@ -117,9 +117,13 @@ def extend_position_embeddings(state_dict: Dict[str, torch.Tensor], max_seq_len:
     old_len = old.shape[0] - POSITION_OFFSET
     if max_seq_len == old_len:
         return state_dict
-    if max_seq_len < old_len or max_seq_len % old_len:
-        raise CheckpointError(f"model.max_seq_len {max_seq_len} must be a multiple of the checkpoint's "
-                              f"length {old_len} to tile its position embeddings")
+    if max_seq_len < old_len:
+        raise CheckpointError(f"model.max_seq_len: {max_seq_len} is shorter than the checkpoint's length {old_len}; "
+                              f"a warm start keeps or lengthens the sequences (tiling the position embeddings), "
+                              f"it cannot shorten them")
+    if max_seq_len % old_len:
+        raise CheckpointError(f"model.max_seq_len: {max_seq_len} is not a multiple of the checkpoint's length "
+                              f"{old_len}; tiling its position embeddings needs a whole multiple")
     rows = old[POSITION_OFFSET:].repeat(max_seq_len // old_len, 1)
     state_dict = dict(state_dict)
     state_dict[POSITION_KEY] = torch.cat([old[:POSITION_OFFSET], rows], dim=0)

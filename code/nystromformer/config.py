@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,6 +169,7 @@ class Config:
     tokenizer: Optional[str] = None
     # Where this config came from; not a key of config.json.
     model_dir: Path = field(default=Path("."), metadata={"internal": True})
+    config_path: Optional[Path] = field(default=None, metadata={"internal": True})
 
     def validate(self) -> None:
         self.model.validate()
@@ -175,6 +177,8 @@ class Config:
         self.gpu_setting.validate()
         for name in ("model_checkpoints", "data_folder", "glue_dataset_folder"):
             _check(bool(getattr(self, name)), name, "must be a non-empty path")
+        for name in ("from_cp", "tokenizer"):  # "" would resolve to the model folder itself
+            _check(getattr(self, name) != "", name, "must be a non-empty path, or null (or left out) for none")
 
     def path(self, value: Optional[str]) -> Optional[Path]:
         """Resolve a path key relative to the model folder."""
@@ -182,6 +186,11 @@ class Config:
             return None
         p = Path(os.path.expanduser(value))
         return p if p.is_absolute() else (self.model_dir / p)
+
+    @property
+    def config_file(self) -> Path:
+        """The config.json this config was loaded from, for error messages."""
+        return self.config_path or self.model_dir / "config.json"
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -197,7 +206,8 @@ class Config:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out.pop("model_dir")
+        for name in ("model_dir", "config_path"):
+            out.pop(name)
         return out
 
 
@@ -225,6 +235,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise TypeError(f"unsupported schema type {tp} for {key}")
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {json.dumps(value)}")
+    if tp is float and not math.isfinite(value):  # Python's json reads Infinity and NaN
+        raise ConfigError(f"{key}: must be a finite number, got {json.dumps(value)}")
     return float(value) if tp is float else value
 
 
@@ -248,6 +260,36 @@ def _build(cls, data: Any, prefix: str):
     return cls(**kwargs)
 
 
+class _JsonObject(dict):
+    """A parsed JSON object that remembers the keys it saw more than once."""
+    duplicates: list
+
+
+def _object_with_duplicates(pairs) -> _JsonObject:
+    obj = _JsonObject()
+    obj.duplicates = []
+    for key, value in pairs:
+        if key in obj and key not in obj.duplicates:
+            obj.duplicates.append(key)
+        obj[key] = value
+    return obj
+
+
+def _first_duplicate(value: Any, prefix: str = "") -> Optional[str]:
+    """The dotted name of the first key that appears twice in one object (json keeps only the last)."""
+    if isinstance(value, _JsonObject):
+        if value.duplicates:
+            return f"{prefix}{value.duplicates[0]}"
+        for key, inner in value.items():
+            if found := _first_duplicate(inner, f"{prefix}{key}."):
+                return found
+    elif isinstance(value, list):
+        for i, inner in enumerate(value):
+            if found := _first_duplicate(inner, f"{prefix}{i}."):
+                return found
+    return None
+
+
 def config_from_dict(data: dict, model_dir: Union[str, Path] = ".") -> Config:
     cfg = _build(Config, data, "")
     cfg.model_dir = Path(model_dir)
@@ -263,10 +305,14 @@ def load_config(path: Union[str, Path]) -> Config:
     if not path.is_file():
         raise ConfigError(f"no config file at {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_pairs_hook=_object_with_duplicates)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    if duplicate := _first_duplicate(data):
+        raise ConfigError(f"{path}: {duplicate}: appears more than once; keep one (JSON would silently use the last)")
     try:
-        return config_from_dict(data, path.parent)
+        cfg = config_from_dict(data, path.parent)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+    cfg.config_path = path
+    return cfg

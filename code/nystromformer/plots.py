@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List
 
 from . import jsonlog
 from .cli import add_subcommand
@@ -51,14 +52,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, type=Path, help="PNG file to write")
 
 
+def run_labels(folders: List[str]) -> Dict[str, Path]:
+    """Model folders keyed by the shortest trailing part of their path that tells them apart
+    (``a/run`` and ``b/run``, not two ``run``s drawn as one)."""
+    paths = [Path(f).resolve() for f in folders]
+    if len(set(paths)) < len(paths):
+        twice = next(str(p) for p in paths if paths.count(p) > 1)
+        raise ValueError(f"--model-dir {twice} is given more than once")
+    labels = {}
+    for path in paths:
+        for k in range(1, len(path.parts) + 1):
+            label = "/".join(path.parts[-k:])
+            if not any(other != path and other.parts[-k:] == path.parts[-k:] for other in paths):
+                break
+        labels[label] = path
+    return labels
+
+
 def run(args: argparse.Namespace) -> int:
     logs = {}
-    for folder in args.model_dir:
-        path = load_config(folder).checkpoint_dir / LOG_NAME
-        if not path.is_file():
-            print(f"error: {path} does not exist (has {folder} been pretrained?)")
-            return 2
-        logs[Path(folder).resolve().name] = path
+    try:  # ConfigError is a ValueError
+        for label, folder in run_labels(args.model_dir).items():
+            path = load_config(folder).checkpoint_dir / LOG_NAME
+            if not path.is_file():
+                raise ValueError(f"{path} does not exist (has {folder} been pretrained?)")
+            logs[label] = path
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {plot_pretraining(logs, args.output)}")
     return 0
 

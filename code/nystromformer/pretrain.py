@@ -3,28 +3,34 @@
     nystromformer pretrain --model-dir nystrom-512          # or: cd nystrom-512 && python ../code/run_pretrain.py
     torchrun --nproc_per_node 8 code/run_pretrain.py --model-dir nystrom-512
 
-Re-running the same command resumes from the newest complete checkpoint. SIGTERM (preemption,
-``docker stop``) finishes the current step, writes ``step-NNNNNNNN.cp`` and exits with status 143
-(torchrun, if it receives the signal itself, exits with 1).
+Re-running the same command resumes from the newest complete checkpoint (and says so, writing nothing, when
+the run has finished). SIGTERM (preemption, ``docker stop``) or SIGINT (Ctrl-C) finishes the current step,
+writes ``step-NNNNNNNN.cp`` and exits with status 143 or 130 (torchrun, if it receives the signal itself, exits
+with 1); a second Ctrl-C stops at once. One run at a time per model folder: a second one is refused.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import gc
+import hashlib
 import json
+import math
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import checkpoint
+from . import checkpoint, jsonlog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .jsonlog import JsonLog
@@ -34,7 +40,23 @@ from .model import NystromformerForMaskedLM
 from .shards import ShardedSequences, ShardError
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped before finishing", so restart policies retry
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
 LOG_NAME = "pretrain_output.log"
+LOCK_NAME = "pretrain.lock"
+# What identifies the training data, so that a resumed run reads the same sequences: the meta.json fields that
+# shape the token stream (not "tokenizer", an absolute path that differs between clusters and checkouts), the
+# shard list (file name, number of sequences) and, as reading all would take minutes on a full corpus, the first
+# and last rows of each shard. Bump DATA_RECORD_FORMAT when what is recorded changes.
+DATA_RECORD_FORMAT = 2
+DATA_META_KEYS = ("max_seq_len", "vocab_size", "dtype", "special_tokens", "datasets", "dev_fraction", "seed",
+                  "shard_size")
+# fp16 with a GradScaler skips a step whose loss is not finite (the weights stay as they were), as an fp16
+# overflow in the forward pass can hit one batch and not the next; this many in a row is a divergence.
+MAX_CONSECUTIVE_SKIPPED_STEPS = 10
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite."""
 
 
 @dataclass
@@ -70,21 +92,88 @@ def setup_runtime(cfg: Config, device: Optional[str] = None) -> Runtime:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM (or by --stop-at-step); checked between steps so a step is never cut in half."""
+    """Set by SIGTERM or SIGINT (or by --stop-at-step); checked between steps so a step is never cut in half.
+    A context manager: the previous handlers come back when the run ends."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.signum = 0  # the signal received (the larger if both), 0 if none
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum != 0
+
+    def __enter__(self) -> "PreemptionFlag":
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
-        self.requested = True
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once (atomic writes leave no torn checkpoint)
+        self.signum = max(self.signum, signum)
+        if signum == signal.SIGINT:  # os.write: print is not safe inside a signal handler
+            os.write(2, b"\nstopping after this step and writing a checkpoint (Ctrl-C again stops at once)\n")
 
-    def agreed(self, rt: Runtime) -> bool:
+    def agreed(self, rt: Runtime) -> int:
+        """The signal every rank stops for (0: none)."""
         if rt.world_size == 1:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=rt.device)
+            return self.signum
+        flag = torch.tensor([float(self.signum)], device=rt.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        return bool(flag.item())
+        return int(flag.item())
+
+
+LOCK_TAKEN, LOCK_BUSY, LOCK_FAILED = 1, 0, -1
+
+
+@contextlib.contextmanager
+def folder_lock(ckpt_dir, rt: Runtime, config_file="config.json"):
+    """Create the model folder and hold an exclusive flock on its lock file (rank 0 only) while the run lasts;
+    refuse at once if another run holds it. The lock goes with the process, so a killed run leaves none behind.
+    Under DDP rank 0 broadcasts the outcome, so that a failure there (a read-only folder...) stops every rank
+    rather than leaving the others in the next collective until the process group's timeout."""
+    path = ckpt_dir / LOCK_NAME
+    fd, outcome, problem = None, LOCK_TAKEN, ""
+    if rt.is_main:
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            outcome, problem = LOCK_BUSY, f"{holder} holds {path}"
+        except OSError as e:
+            outcome, problem = LOCK_FAILED, f"{type(e).__name__}: {e.strerror or e}"
+        if outcome != LOCK_TAKEN and fd is not None:
+            os.close(fd)
+            fd = None
+    if rt.world_size > 1:
+        flag = torch.tensor([float(outcome)], device=rt.device)
+        dist.broadcast(flag, src=0)  # also the barrier: the folder exists before any rank looks into it
+        outcome = int(flag.item())
+    problem = problem or "see rank 0's error"
+    if outcome == LOCK_BUSY:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_dir}: another pretraining run is using this model folder ({problem}); wait for it to finish or "
+            f"stop it, then run the same command again")
+    if outcome == LOCK_FAILED:
+        raise checkpoint.CheckpointError(
+            f"{config_file}: model_checkpoints: cannot create {ckpt_dir} or take its lock {path} ({problem}); it "
+            f"must name a folder this run can write to")
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
@@ -93,11 +182,21 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
                              weight_decay=ps.weight_decay, fused=device.type == "cuda")
 
 
+class _OneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
+    """OneCycleLR that accepts a warm-up of exactly one step, where torch divides by the warm-up phase's zero
+    length: that step is the end of the warm-up, at the peak rate. Its state dict is OneCycleLR's."""
+
+    def get_lr(self):
+        if self.last_epoch == 0 and self._schedule_phases[0]["end_step"] == 0:
+            return [group["max_lr"] for group in self.optimizer.param_groups]
+        return super().get_lr()
+
+
 def build_scheduler(optimizer, cfg: Config):
     # The paper's OneCycle schedule: linear warm-up over `warmup` of all steps, then linear decay.
     # Momentum cycling is off: with Adam it would rewrite beta1.
     ps = cfg.pretraining_setting
-    return torch.optim.lr_scheduler.OneCycleLR(
+    return _OneCycleLR(
         optimizer, max_lr=ps.learning_rate, total_steps=ps.epoch * ps.batches_per_epoch, pct_start=ps.warmup,
         anneal_strategy="linear", cycle_momentum=False)
 
@@ -134,9 +233,74 @@ def check_resumable_config(saved: Optional[dict], cfg: Config, path: str) -> Non
             new = current[section].get(key)
             if old != new and key not in RESUME_MAY_CHANGE[section]:
                 raise ConfigError(
-                    f"{section}.{key}: is {json.dumps(new)} but {path} was trained with {json.dumps(old)}; "
-                    f"resuming would not continue that run. Restore the value, or start a new model folder with "
-                    f'"from_cp" pointing at this checkpoint')
+                    f"{cfg.config_file}: {section}.{key}: is {json.dumps(new)} but {path} was trained with "
+                    f"{json.dumps(old)}; resuming would not continue that run. Restore the value, or start a new "
+                    f'model folder with "from_cp" pointing at this checkpoint')
+
+
+def data_fingerprint(data_dir, train: ShardedSequences) -> dict:
+    """What identifies the training data (see DATA_META_KEYS): kept in every .cp, compared on resume."""
+    # ShardedSequences has checked that train.json's list matches the shards' shapes.
+    index = json.loads((data_dir / "train.json").read_text())
+    shards = [(entry["file"], int(entry["num_sequences"])) for entry in index["shards"]]
+    rows = hashlib.sha256()
+    for array in train.arrays:
+        if len(array):
+            rows.update(np.ascontiguousarray(array[[0, -1]]).tobytes())
+    return {"format": DATA_RECORD_FORMAT, "meta": {k: train.meta.get(k) for k in DATA_META_KEYS},
+            "shards": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
+            "num_shards": len(shards), "num_sequences": len(train), "rows": rows.hexdigest()}
+
+
+def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str) -> None:
+    """Refuse to resume on other training data than the checkpoint's."""
+    # A checkpoint from before this record (none), or with an older format (hashes of meta.json's raw bytes,
+    # which held the tokenizer's path): nothing comparable was kept, so it resumes unchecked, not refused.
+    if not isinstance(saved, dict) or saved.get("format") != DATA_RECORD_FORMAT:
+        return
+    meta = cfg.data_dir / "meta.json"
+    changed = [f"{meta}: {key} was {json.dumps(old)}, is {json.dumps(current['meta'].get(key))}"
+               for key, old in saved["meta"].items() if old != current["meta"].get(key)]
+    if saved["shards"] != current["shards"]:
+        changed.append(f"{cfg.data_dir / 'train.json'}: the shard list (file names and sequence counts) differs: "
+                       f"{saved['num_shards']} shard(s) of {saved['num_sequences']} sequences then, "
+                       f"{current['num_shards']} of {current['num_sequences']} now")
+    if saved["rows"] != current["rows"]:
+        changed.append(f"the training shards listed in {cfg.data_dir / 'train.json'}: their first or last rows "
+                       f"differ")
+    if changed:
+        raise ConfigError(
+            f"{cfg.config_file}: data_folder: {cfg.data_dir} is not the data {path} was trained on "
+            f"({'; '.join(changed)}); resuming would not continue that run. Restore the data, or start a new "
+            f"model folder with \"from_cp\" pointing at this checkpoint")
+
+
+def refuse_to_overwrite_history(ckpt_dir, log_path, batches_per_epoch: int, epochs: int,
+                                from_cp=None, config_file="config.json") -> None:
+    """With no resumable checkpoint, a fresh start would truncate the log and overwrite the checkpoints of an
+    earlier run: refuse if the folder holds any. A log of steps never checkpointed (a hard kill in the first
+    epoch) is no history: the fresh start redoes exactly those steps. Nor is ``from_cp``'s file, put there to
+    warm-start from, unless this run would overwrite it."""
+    source = from_cp.resolve() if from_cp is not None else None
+    if source is not None and source.is_file() and source.parent == ckpt_dir.resolve():
+        m = checkpoint.EPOCH_CP.match(source.name) or checkpoint.EPOCH_MODEL.match(source.name)
+        if checkpoint.STEP_CP.match(source.name) or (m and int(m.group(1)) < epochs):
+            raise ConfigError(
+                f"{config_file}: from_cp: {from_cp} lies in this run's checkpoint folder, where the run writes "
+                f"its own checkpoints and would overwrite it; move it out of {ckpt_dir} (or copy it to another "
+                f"name) and point from_cp there")
+    names = sorted(p.name for p in ckpt_dir.iterdir()
+                   if (checkpoint.EPOCH_CP.match(p.name) or checkpoint.EPOCH_MODEL.match(p.name)
+                       or checkpoint.STEP_CP.match(p.name)) and p.resolve() != source)
+    if log_path.is_file() and any(e.get("type") in ("dev", "preempted", "resume")
+                                  or e.get("step", 0) >= batches_per_epoch for e in jsonlog.read(log_path)):
+        names.append(log_path.name)
+    if names:
+        listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise checkpoint.CheckpointError(
+            f"{ckpt_dir}: holds an earlier run ({listing}) but no readable .cp checkpoint to resume it from; "
+            f"starting over would overwrite it. Move or delete those files to start afresh, or restore a good "
+            f".cp to resume")
 
 
 def _check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
@@ -149,15 +313,15 @@ def _check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
 
 
 def check_data(cfg: Config, data: ShardedSequences) -> None:
-    meta = data.meta
+    meta, where = data.meta, f"{cfg.config_file}: model"
     if meta["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
+        raise ConfigError(f"{where}.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({meta['vocab_size']} in {data.folder / 'meta.json'})")
     if meta["max_seq_len"] > cfg.model.max_seq_len:
-        raise ConfigError(f"model.max_seq_len: {cfg.model.max_seq_len} is shorter than the data's sequences "
+        raise ConfigError(f"{where}.max_seq_len: {cfg.model.max_seq_len} is shorter than the data's sequences "
                           f"({meta['max_seq_len']} in {data.folder / 'meta.json'})")
     if meta["special_tokens"]["pad"] != cfg.model.pad_token_id:
-        raise ConfigError(f"model.pad_token_id: {cfg.model.pad_token_id} differs from the data's pad id "
+        raise ConfigError(f"{where}.pad_token_id: {cfg.model.pad_token_id} differs from the data's pad id "
                           f"{meta['special_tokens']['pad']} ({data.folder / 'meta.json'})")
 
 
@@ -165,19 +329,31 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
              show_progress: bool = True) -> int:
     rt = setup_runtime(cfg, device)
     ps = cfg.pretraining_setting
-    say = print if rt.is_main else (lambda *a, **k: None)
     if ps.batch_size % rt.world_size:
-        raise ConfigError(f"pretraining_setting.batch_size: {ps.batch_size} is not divisible by the "
-                          f"{rt.world_size} processes")
+        raise ConfigError(f"{cfg.config_file}: pretraining_setting.batch_size: {ps.batch_size} is not divisible by "
+                          f"the {rt.world_size} processes")
+    with folder_lock(cfg.checkpoint_dir, rt, cfg.config_file), PreemptionFlag() as preemption:
+        return _pretrain(cfg, rt, preemption, stop_at_step, show_progress)
+
+
+def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step: Optional[int],
+              show_progress: bool) -> int:
+    ps = cfg.pretraining_setting
+    say = print if rt.is_main else (lambda *a, **k: None)
     train = ShardedSequences(cfg.data_dir, "train")
     check_data(cfg, train)
-    dev_path = cfg.data_dir / "dev.json"
-    dev = ShardedSequences(cfg.data_dir, "dev") if ps.validate_batches_per_epoch and dev_path.is_file() else None
+    dev = None
+    if ps.validate_batches_per_epoch:
+        dev_path = cfg.data_dir / "dev.json"
+        if not dev_path.is_file():  # `validate` needs it too: say so now, not after the first epoch
+            raise ConfigError(f"{cfg.config_file}: pretraining_setting.validate_batches_per_epoch: is "
+                              f"{ps.validate_batches_per_epoch} but {dev_path} does not exist; add a dev split to "
+                              f"the data folder, or set it to 0 to pretrain without dev evaluation")
+        dev = ShardedSequences(cfg.data_dir, "dev")
     special, vocab_size = train.meta["special_tokens"], train.meta["vocab_size"]
+    data_id = data_fingerprint(cfg.data_dir, train)
 
     ckpt_dir = cfg.checkpoint_dir
-    if rt.is_main:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
     log = JsonLog(ckpt_dir / LOG_NAME, rt.is_main)
 
     torch.manual_seed(ps.seed)  # the same initial weights on every rank
@@ -185,13 +361,29 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
     optimizer = build_optimizer(model, cfg, rt.device)
     scheduler = build_scheduler(optimizer, cfg)
     scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.autocast_dtype == torch.float16)
+    total_steps = ps.epoch * ps.batches_per_epoch
+    per_rank = ps.batch_size // rt.world_size
+    micro = min(cfg.gpu_setting.inst_per_gpu, per_rank)
+
+    def evaluate_dev(epoch: int, step: int, note: str = "") -> None:
+        metrics = evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
+                           ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
+        if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
+            raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
+                                                     ckpt_dir, ps.batches_per_epoch))
+        log.write(type="dev", epoch=epoch, step=step, **metrics)
+        say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}{note}")
 
     step = 0
+    nonfinite = NonFiniteLosses(scaler.is_enabled(), ckpt_dir, ps.batches_per_epoch)
     if rt.is_main:
         checkpoint.remove_stale_temp_files(ckpt_dir)
     state = checkpoint.load_newest_resumable(ckpt_dir, ps.batches_per_epoch, log=say)
+    if rt.world_size > 1:
+        _check_same_step_on_every_rank(state["step"] if state else 0, rt)
     if state is not None:
         check_resumable_config(state.get("config"), cfg, state["path"])
+        check_resumable_data(state.get("data"), cfg, data_id, state["path"])
         model.load_state_dict(state["model_state_dict"])
         optimizer.load_state_dict(state["optimizer_state_dict"])
         scheduler.load_state_dict(state["scheduler_state_dict"])
@@ -199,17 +391,34 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
             scaler.load_state_dict(state["scaler_state_dict"])
         set_rng_state(state["rng_state"])
         step = state["step"]
-        say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
-        log.truncate_after(step)
-        log.write(type="resume", step=step, checkpoint=state["path"])
-    elif cfg.from_cp:
-        source = cfg.path(cfg.from_cp)
-        say(f"warm start from {source}")
-        checkpoint.load_pretrained_weights(model, source, cfg.model.max_seq_len, log=say)
-        log.truncate_after(0)
-        log.write(type="warm_start", step=0, checkpoint=str(source))
+        finished = step >= total_steps
+        if not finished:
+            say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
+            log.truncate_after(step)
+            log.write(type="resume", step=step, checkpoint=state["path"])
+        # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
+        if dev is not None and step % ps.batches_per_epoch == 0 and _dev_point_missing(log.path, step, rt):
+            evaluate_dev(step // ps.batches_per_epoch - 1, step, " (the evaluation the stopped run did not do)")
+        if finished:
+            say(f"pretraining already finished: {step} steps in {state['path']}; nothing to do")
+            return 0
     else:
-        log.truncate_after(0)
+        refuse_to_overwrite_history(ckpt_dir, log.path, ps.batches_per_epoch, ps.epoch,
+                                    cfg.path(cfg.from_cp) if cfg.from_cp else None, cfg.config_file)
+        if cfg.from_cp:
+            source = cfg.path(cfg.from_cp)
+            if not source.is_file():
+                raise ConfigError(f"{cfg.config_file}: from_cp: {source} does not exist (has the run it comes "
+                                  f"from written it?)")
+            say(f"warm start from {source}")
+            try:
+                checkpoint.load_pretrained_weights(model, source, cfg.model.max_seq_len, log=say)
+            except checkpoint.CheckpointError as e:
+                raise checkpoint.CheckpointError(f"{cfg.config_file}: {e} (from_cp: {source})") from None
+            log.truncate_after(0)
+            log.write(type="warm_start", step=0, checkpoint=str(source))
+        else:
+            log.truncate_after(0)
 
     if cfg.gpu_setting.compile != "none":
         # In place (state_dict keys unchanged). Only the encoder: the MLM head's masked-position gather has a
@@ -219,17 +428,12 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
             f"compilation")
     ddp_model = model
     if rt.world_size > 1:
-        _check_same_step_on_every_rank(step, rt)
         # Reformer's shared-QK attention leaves the key projection without a gradient.
         ddp_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
             find_unused_parameters=cfg.model.attn_type == "reformer")
 
     order = SampleOrder(len(train), ps.seed)
-    per_rank = ps.batch_size // rt.world_size
-    micro = min(cfg.gpu_setting.inst_per_gpu, per_rank)
-    total_steps = ps.epoch * ps.batches_per_epoch
-    preemption = PreemptionFlag()
     say(f"pretraining {cfg.model.attn_type} model: {sum(p.numel() for p in model.parameters()):,} parameters, "
         f"{len(train):,} training sequences of {train.seq_len} tokens, {rt.world_size} process(es) on "
         f"{rt.device.type}, micro-batch {micro} x {-(-per_rank // micro)} accumulation step(s), "
@@ -239,7 +443,7 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
         return {"model_state_dict": model.state_dict(), "optimizer_state_dict": optimizer.state_dict(),
                 "scheduler_state_dict": scheduler.state_dict(), "scaler_state_dict": scaler.state_dict(),
                 "rng_state": rng_state(), "epoch": step // ps.batches_per_epoch, "step": step,
-                "inst_pass": step * ps.batch_size, "config": cfg.to_dict()}
+                "inst_pass": step * ps.batch_size, "config": cfg.to_dict(), "data": data_id}
 
     model.train()
     if stop_at_step is not None and step >= stop_at_step and step < total_steps:
@@ -289,48 +493,120 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
             step += 1
             seconds = time.perf_counter() - t0
             loss_value, accu = totals[0].item() / total_masked, totals[1].item() / total_masked
-            log.write(type="train", epoch=epoch, step=step, loss=loss_value, mlm_accu=accu, lr=lr, time=seconds,
-                      inst_pass=step * ps.batch_size, tokens_per_s=ps.batch_size * train.seq_len / seconds)
+            try:
+                skipped = nonfinite.check(loss_value, step)  # the same on every rank (all-reduced)
+            except TrainingDiverged:
+                bar.close()
+                raise
+            if skipped:
+                if rt.is_main:
+                    tqdm.write(f"warning: the training loss is {loss_value} at step {step}; the GradScaler skipped "
+                               f"the step ({nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop "
+                               f"the run)")
+                log.write(type="skipped", epoch=epoch, step=step, loss=str(loss_value), lr=lr)
+            else:
+                log.write(type="train", epoch=epoch, step=step, loss=loss_value, mlm_accu=accu, lr=lr, time=seconds,
+                          inst_pass=step * ps.batch_size, tokens_per_s=ps.batch_size * train.seq_len / seconds)
+                if step % ps.batches_per_report == 0:
+                    bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{lr:.2e}")
             bar.update(1)
-            if step % ps.batches_per_report == 0:
-                bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{lr:.2e}")
 
             if step % ps.batches_per_epoch == 0:
                 break
-            if (stop_at_step is not None and step >= stop_at_step) or preemption.agreed(rt):
+            signum = preemption.agreed(rt)
+            if (stop_at_step is not None and step >= stop_at_step) or signum:
                 bar.close()
                 if rt.is_main:
                     path = checkpoint.save_preempted(ckpt_dir, state_dict())
                     log.write(type="preempted", step=step, checkpoint=str(path))
                     say(f"stopped at step {step}; wrote {path}. Run the same command again to resume.")
                 _barrier(rt)
-                return PREEMPTED_EXIT_CODE
+                return _stopped_exit_code(signum)
         bar.close()
 
         # Checkpoint first: a preemption's grace period (10 s for `docker stop`) may not cover the dev pass.
         if rt.is_main:
             checkpoint.save_epoch(ckpt_dir, epoch, state_dict())
         _barrier(rt)
-        preempted = preemption.agreed(rt)
-        stopping = preempted or (stop_at_step is not None and step >= stop_at_step)
-        if dev is not None and not preempted:
-            metrics = evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
-                               ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
-            log.write(type="dev", epoch=epoch, step=step, **metrics)
-            say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}")
+        signum = preemption.agreed(rt)
+        stopping = signum or (stop_at_step is not None and step >= stop_at_step)
+        if dev is not None and not signum:
+            evaluate_dev(epoch, step)
         if stopping and step < total_steps:
-            skipped = " (dev evaluation skipped: `validate` fills it in)" if preempted and dev is not None else ""
+            skipped = " (dev evaluation skipped: the rerun does it first)" if signum and dev is not None else ""
             say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
             _barrier(rt)
-            return PREEMPTED_EXIT_CODE
+            return _stopped_exit_code(signum)
+        if signum:  # stopped by a signal at the very end: the rerun only does the dev evaluation
+            say(f"stopped after the last epoch{' before its dev evaluation' if dev is not None else ''}; run the "
+                f"same command again to finish.")
+            _barrier(rt)
+            return _stopped_exit_code(signum)
     say(f"pretraining finished: {step} steps; checkpoints in {ckpt_dir}")
     _barrier(rt)  # every rank past its last collective before any of them tears the process group down
     return 0
 
 
+class NonFiniteLosses:
+    """When a non-finite training loss means the run diverged. Without loss scaling (bf16, fp32) the first one
+    does: the optimizer step has already written NaN or inf into the weights. With fp16's GradScaler the step was
+    skipped, the weights are unchanged and the next batch may be fine: only MAX_CONSECUTIVE_SKIPPED_STEPS in a row
+    are a divergence. (Not "until the scale falls to 1": a non-finite loss comes from the forward pass, which the
+    scale does not touch.)"""
+
+    def __init__(self, scaled: bool, ckpt_dir, batches_per_epoch: int):
+        self.scaled, self.ckpt_dir, self.batches_per_epoch = scaled, ckpt_dir, batches_per_epoch
+        self.consecutive = 0
+
+    def check(self, loss: float, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) was skipped; raises TrainingDiverged on a divergence."""
+        if math.isfinite(loss):
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        if self.scaled and self.consecutive < MAX_CONSECUTIVE_SKIPPED_STEPS:
+            return True
+        # The weights after step `first - 1` are the first to give a non-finite loss (skipped steps change none).
+        first = step - self.consecutive + 1
+        what = (f"the training loss is {loss} at step {step}" if self.consecutive == 1 else
+                f"the training loss is not finite at {self.consecutive} steps in a row ({first} to {step}; the "
+                f"GradScaler skipped them)")
+        raise TrainingDiverged(_diverged_message(what, first - 1, self.ckpt_dir, self.batches_per_epoch))
+
+
 def _barrier(rt: Runtime) -> None:
     if rt.world_size > 1:
         dist.barrier()
+
+
+def _stopped_exit_code(signum: int) -> int:
+    """128 + the signal that stopped the run; --stop-at-step counts as a preemption (SIGTERM)."""
+    return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
+
+
+def _dev_point_missing(log_path, step: int, rt: Runtime) -> bool:
+    """Whether the log lacks the dev evaluation at ``step`` (decided alike on every rank: it is a collective)."""
+    entries = jsonlog.read(log_path) if log_path.is_file() else []
+    missing = not any(e.get("type") == "dev" and e.get("step") == step for e in entries)
+    if rt.world_size > 1:
+        flag = torch.tensor([float(missing)], device=rt.device)
+        dist.broadcast(flag, src=0)  # rank 0's log is the one written
+        missing = bool(flag.item())
+    return missing
+
+
+def _diverged_message(what: str, bad_step: int, ckpt_dir, batches_per_epoch: int) -> str:
+    """``bad_step``: the first step whose weights gave a non-finite loss; checkpoints before it are good."""
+    found = checkpoint.resumable_checkpoints(ckpt_dir, batches_per_epoch)
+    good = [(s, p) for s, p in found if s < bad_step]
+    bad = sorted(p.name for s, p in found if s >= bad_step)
+    kept = (f"{good[0][1].name} (step {good[0][0]}) is the newest checkpoint from before the divergence" if good
+            else "no checkpoint is from before the divergence")
+    if bad:
+        kept += f"; {', '.join(bad)} already hold(s) the diverged weights"
+    return (f"training diverged: {what}; stopped, writing no further checkpoint: {kept}. Resuming would diverge "
+            f"again: lower pretraining_setting.learning_rate (or set max_grad_norm) in a new model folder, with "
+            f"\"from_cp\" pointing at a good checkpoint to keep its progress")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -345,7 +621,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.model_dir)
         return pretrain(cfg, device=args.device, stop_at_step=args.stop_at_step, show_progress=not args.no_progress)
-    except (ConfigError, ShardError, checkpoint.CheckpointError) as e:
+    except (ConfigError, ShardError, checkpoint.CheckpointError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

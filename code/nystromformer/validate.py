@@ -33,6 +33,8 @@ def validated_checkpoints(cfg: Config) -> set:
 def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,
              device: Optional[str] = None) -> List[dict]:
     """Validate the given checkpoints (default: every one not yet in the log); returns the new entries."""
+    if num_sequences is not None and num_sequences < 1:
+        raise ConfigError(f"--num-sequences: must be >= 1, got {num_sequences}")
     rt = setup_runtime(cfg, device)
     ps = cfg.pretraining_setting
     dev = ShardedSequences(cfg.data_dir, "dev")
