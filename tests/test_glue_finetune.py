@@ -216,6 +216,11 @@ def test_runs_differing_in_seed_or_training_subset_get_their_own_names(tmp_path)
     assert len({run_dir(tmp_path, v) for v in variants}) == len({log_path(tmp_path, v) for v in variants}) == 4
     assert [summary_dir(tmp_path, v).name for v in variants] == ["sweep-3", "sweep-3-seed7", "sweep-3-train500",
                                                                  "sweep-3-seed7-train500"]
+    # Sweeps with other score-changing settings keep their own summaries; lr and batch size are what a sweep varies
+    longer, warmer = dataclasses.replace(base, epochs=10), dataclasses.replace(base, warmup=0.1)
+    names = {summary_dir(tmp_path, v).name for v in (longer, warmer, dataclasses.replace(longer, lr=5e-5))}
+    assert len(names) == 2 and all(name.startswith("sweep-3-") and name != "sweep-3-seed7" for name in names)
+    assert summary_dir(tmp_path, dataclasses.replace(base, lr=5e-5, batch_size=16, task="RTE")).name == "sweep-3"
 
 
 def test_replacing_a_run_made_with_other_settings_is_announced(fixture_model_dir):
@@ -250,7 +255,7 @@ def test_a_sweep_of_some_tasks_summarises_every_finished_run_and_names_the_tasks
     assert sweep_command(fixture_model_dir, "--tasks", "MRPC") == 0
     assert sweep_command(fixture_model_dir, "--tasks", "QNLI") == 0
     out = capsys.readouterr().out
-    summary = fixture_model_dir / "model" / "glue" / "sweep-0"
+    [summary] = (fixture_model_dir / "model" / "glue").glob("sweep-0*")  # one summary (epochs 1: a hashed name)
     rows = (summary / "summary.csv").read_text().splitlines()[1:]
     assert [r.split(",")[0] for r in rows] == ["MRPC", "QNLI"]  # the first sweep's run is still summarised
     [average] = [line for line in out.splitlines() if "average" in line][-1:]

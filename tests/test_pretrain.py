@@ -155,13 +155,18 @@ def test_a_folder_with_an_earlier_run_but_no_readable_cp_is_refused_and_left_as_
     assert {p.name: p.read_bytes() for p in (folder / "model").iterdir()} == before
 
 
-def test_a_log_of_steps_never_checkpointed_does_not_block_a_fresh_start(tmp_path, data):
+@pytest.mark.parametrize("last_logged", [2, 4], ids=["mid-epoch", "killed-writing-the-epoch-checkpoint"])
+def test_a_log_of_steps_never_checkpointed_does_not_block_a_fresh_start(tmp_path, data, last_logged):
     folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
     run(folder, stop_at_step=2)
-    # As after a hard kill in the first epoch: logged steps, but nothing saved.
+    # As after a hard kill in the first epoch: logged steps, but nothing saved. The epoch's last step (4) is
+    # logged before its checkpoint is written, so a kill during that write leaves it logged and unsaved too.
     (folder / "model" / "step-00000002.cp").unlink()
     log = folder / "model" / "pretrain_output.log"
-    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"preempted"' not in line))
+    lines = [line for line in log.read_text().splitlines() if '"preempted"' not in line]
+    last = json.loads(lines[-1])
+    lines += [json.dumps(dict(last, step=step)) for step in range(3, last_logged + 1)]
+    log.write_text("".join(line + "\n" for line in lines))
     assert run(folder) == 0
     assert [s for s, _ in losses(folder)] == [1, 2, 3, 4]
 
@@ -393,7 +398,7 @@ def test_the_same_data_rebuilt_with_the_tokenizer_elsewhere_resumes(tmp_path, un
 
 @pytest.mark.parametrize("record", [None, {"meta.json": "0" * 64, "train.json": "0" * 64, "train-*.npy": "0" * 64}],
                          ids=["none", "older format"])
-def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(tmp_path, data, record):
+def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(tmp_path, data, record, capsys):
     folder = model_dir(tmp_path)
     run(folder, stop_at_step=5)
     cp = folder / "model" / "step-00000005.cp"
@@ -405,6 +410,7 @@ def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(
     torch.save(state, cp)
     rewrite_data(tmp_path, seed=1)
     assert run(folder) == 0
+    assert "has no record of its training data in this version's format" in capsys.readouterr().out  # said
 
 
 def test_checkpoints_and_logs_get_the_mode_the_umask_gives_ordinary_files(tmp_path, data):
@@ -518,6 +524,19 @@ def test_a_model_folder_that_cannot_be_locked_is_an_error_naming_the_key(tmp_pat
     with pytest.raises(checkpoint.CheckpointError, match=r"run/config.json: model_checkpoints: cannot create "
                                                          r".*run/model or take its lock .*Error"):
         run(folder)
+
+
+def test_on_a_file_system_without_locks_the_run_warns_and_goes_on(tmp_path, data, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):  # as Lustre mounted without -o flock answers
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    assert run(folder) == 0
+    assert "does not support locks" in capsys.readouterr().err
+    assert [s for s, _ in losses(folder)] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import gc
 import hashlib
@@ -131,6 +132,7 @@ class PreemptionFlag:
 
 
 LOCK_TAKEN, LOCK_BUSY, LOCK_FAILED = 1, 0, -1
+NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 @contextlib.contextmanager
@@ -145,7 +147,13 @@ def folder_lock(ckpt_dir, rt: Runtime, config_file="config.json"):
         try:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:  # some cluster file systems (Lustre without -o flock, FUSE) have no flock
+                if e.errno not in NO_FLOCK_ERRNOS:
+                    raise
+                print(f"warning: {path}: this file system does not support locks ({e.strerror}); running without "
+                      f"one, so make sure no other run uses {ckpt_dir}", file=sys.stderr, flush=True)
             os.ftruncate(fd, 0)
             os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
         except BlockingIOError:
@@ -252,11 +260,13 @@ def data_fingerprint(data_dir, train: ShardedSequences) -> dict:
             "num_shards": len(shards), "num_sequences": len(train), "rows": rows.hexdigest()}
 
 
-def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str) -> None:
+def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str, log=print) -> None:
     """Refuse to resume on other training data than the checkpoint's."""
     # A checkpoint from before this record (none), or with an older format (hashes of meta.json's raw bytes,
     # which held the tokenizer's path): nothing comparable was kept, so it resumes unchecked, not refused.
     if not isinstance(saved, dict) or saved.get("format") != DATA_RECORD_FORMAT:
+        log(f"warning: {path} has no record of its training data in this version's format; resuming without "
+            f"checking that {cfg.data_dir} is the same data")
         return
     meta = cfg.data_dir / "meta.json"
     changed = [f"{meta}: {key} was {json.dumps(old)}, is {json.dumps(current['meta'].get(key))}"
@@ -293,7 +303,8 @@ def refuse_to_overwrite_history(ckpt_dir, log_path, batches_per_epoch: int, epoc
                    if (checkpoint.EPOCH_CP.match(p.name) or checkpoint.EPOCH_MODEL.match(p.name)
                        or checkpoint.STEP_CP.match(p.name)) and p.resolve() != source)
     if log_path.is_file() and any(e.get("type") in ("dev", "preempted", "resume")
-                                  or e.get("step", 0) >= batches_per_epoch for e in jsonlog.read(log_path)):
+                                  # the epoch's last step is logged before its checkpoint is written
+                                  or e.get("step", 0) > batches_per_epoch for e in jsonlog.read(log_path)):
         names.append(log_path.name)
     if names:
         listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
@@ -366,8 +377,15 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
     micro = min(cfg.gpu_setting.inst_per_gpu, per_rank)
 
     def evaluate_dev(epoch: int, step: int, note: str = "") -> None:
-        metrics = evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
-                           ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
+        def measure(dtype):
+            return evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
+                            ps.mask_prob, rt.device, dtype, rt.rank, rt.world_size)
+        metrics = measure(rt.autocast_dtype)
+        if not math.isfinite(metrics["loss"]) and scaler.is_enabled():
+            # fp16's range can overflow on a dev batch while the weights are fine (the training loop skips such
+            # steps): measure again in fp32, else the same overflow would stop every rerun at this epoch.
+            metrics = measure(None)
+            note += " (in fp32: fp16 overflowed)"
         if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
             raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
                                                      ckpt_dir, ps.batches_per_epoch))
@@ -383,7 +401,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         _check_same_step_on_every_rank(state["step"] if state else 0, rt)
     if state is not None:
         check_resumable_config(state.get("config"), cfg, state["path"])
-        check_resumable_data(state.get("data"), cfg, data_id, state["path"])
+        check_resumable_data(state.get("data"), cfg, data_id, state["path"], log=say)
         model.load_state_dict(state["model_state_dict"])
         optimizer.load_state_dict(state["optimizer_state_dict"])
         scheduler.load_state_dict(state["scheduler_state_dict"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -43,7 +44,14 @@ def grid(tasks: Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int],
 
 
 def summary_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
-    return Path(checkpoint_dir) / "glue" / f"sweep-{settings.checkpoint}{settings.run_suffix}"
+    """``glue/sweep-<checkpoint>`` (+ the runs' seed / subset suffix); sweeps with other settings that change
+    scores (epochs, warmup, max_seq_len...) get a hash of them too, so that they do not overwrite each other's
+    summary (its summary.md lists the settings)."""
+    default = shared_settings(FinetuneSettings(task=settings.task, checkpoint=settings.checkpoint,
+                                               seed=settings.seed, max_train_examples=settings.max_train_examples))
+    differ = {k: v for k, v in shared_settings(settings).items() if default[k] != v}
+    tag = "-" + hashlib.sha1(json.dumps(differ, sort_keys=True).encode()).hexdigest()[:8] if differ else ""
+    return Path(checkpoint_dir) / "glue" / f"sweep-{settings.checkpoint}{settings.run_suffix}{tag}"
 
 
 # What a sweep varies. Its runs share every other setting that changes a dev score, and a summary compares only
