@@ -228,3 +228,76 @@ def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partit
     assert warning.startswith("dataset stories (") and "sampled out at ratio 0.0001" in warning
     assert warning in caplog.text
     assert json.loads((tmp_path / "stats.json").read_text())["warnings"] == [warning]
+
+
+# --- A preprocess swapping a partition folder in while build-shards reads it ---------------------------------------
+
+def wiki_documents_of_fixture():
+    return list(READERS["wiki"](expand_inputs([FIXTURES / "wiki"], INPUT_PATTERNS["wiki"]), SkipLog()))
+
+
+def write_wiki(folder, documents):
+    write_partitions(documents, folder, "wiki", SkipLog(), words_per_partition=150, min_words=0)
+
+
+@pytest.mark.parametrize("when", ["while-encoding-a-file", "between-files", "after-the-last-file"])
+def test_a_partition_folder_swapped_in_during_a_build_is_an_error_and_the_rerun_builds_the_new_folder(
+        trained_tokenizer, tmp_path, monkeypatch, when):
+    old, new = wiki_documents_of_fixture(), wiki_documents_of_fixture()[::-1]
+    write_wiki(tmp_path / "clean" / "wiki", new)
+    build(tmp_path / "clean", trained_tokenizer, tmp_path / "clean-shards", datasets=("wiki",))
+    parts = tmp_path / "parts" / "wiki"
+    write_wiki(parts, old)
+    count = len(list(parts.glob("part-*.txt")))
+    assert count >= 3
+    swapped = []
+
+    def swap():  # what a concurrent `preprocess` with new input does: a whole-folder swap
+        if not swapped:
+            write_wiki(parts, new)
+            swapped.append(True)
+
+    if when == "while-encoding-a-file":  # part-00001's old bytes are read, the swap comes before it is recorded
+        from nystromformer.data.tokenize import DocumentEncoder
+        encode = DocumentEncoder.encode_partition
+
+        def encode_then_swap(self, path):
+            for i, ids in enumerate(encode(self, path)):
+                yield ids
+                if path.name == "part-00001.txt":
+                    swap()
+        monkeypatch.setattr(DocumentEncoder, "encode_partition", encode_then_swap)
+        changed, done = "part-00001.txt", None
+    else:
+        changed = "part-00001.txt" if when == "between-files" else "part-00000.txt"
+        done = lambda task: swap() if task.source.name == ("part-00000.txt" if when == "between-files" else
+                                                           f"part-{count - 1:05d}.txt") else None
+    out = tmp_path / "shards"
+    with pytest.raises(BuildError, match=rf"{changed}: the partition folder changed while building.*rerun build-"):
+        build(tmp_path / "parts", trained_tokenizer, out, datasets=("wiki",), on_partition_done=done)
+    assert swapped and not (out / "train.json").exists()
+    assert not (out / "manifest" / f"wiki--{changed[:-4]}.json").exists() or when == "after-the-last-file"
+    monkeypatch.undo()
+    stats = build(tmp_path / "parts", trained_tokenizer, out, datasets=("wiki",))
+    # No shard of the old folder stays: the result is that of a build of the new folder alone.
+    for split in ("train", "dev"):
+        assert np.array_equal(all_rows(tmp_path / "clean-shards", split), all_rows(out, split))
+    clean = json.loads((tmp_path / "clean-shards" / "stats.json").read_text())
+    assert stats["datasets"]["wiki"].pop("folder") == str(tmp_path / "parts" / "wiki")
+    clean["datasets"]["wiki"].pop("folder")
+    assert stats == clean and stats["datasets"]["wiki"]["documents"] == len(new)
+
+
+def test_a_build_refuses_indexes_for_a_folder_whose_partitions_changed_after_they_were_encoded(
+        trained_tokenizer, tmp_path):
+    parts = tmp_path / "parts" / "wiki"
+    write_wiki(parts, wiki_documents_of_fixture())
+    last = sorted(parts.glob("part-*.txt"))[-1]
+
+    def remove_the_last_partition(task):  # as a preprocess run writing fewer partitions would
+        if task.source == last:
+            write_wiki(parts, wiki_documents_of_fixture()[:2])
+    with pytest.raises(BuildError, match=r"wiki: the partition folder changed while building"):
+        build(tmp_path / "parts", trained_tokenizer, tmp_path / "shards", datasets=("wiki",),
+              on_partition_done=remove_the_last_partition)
+    assert not (tmp_path / "shards" / "train.json").exists()

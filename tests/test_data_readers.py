@@ -418,7 +418,7 @@ def test_an_old_folder_that_cannot_be_removed_after_the_swap_is_a_warning_and_go
     rmdir = os.rmdir
 
     def busy(path, *args, **kwargs):  # as on NFS, where a reader's open file keeps a ".nfs..." entry
-        if str(path).endswith(".old"):
+        if str(path).endswith(".trash"):  # the old folder, renamed for its removal
             raise OSError(errno.EBUSY, "Device or resource busy", str(path))
         return rmdir(path, *args, **kwargs)
     monkeypatch.setattr(os, "rmdir", busy)
@@ -429,6 +429,77 @@ def test_an_old_folder_that_cannot_be_removed_after_the_swap_is_a_warning_and_go
     assert hidden(tmp_path)[0] in caplog.text
     write_wiki(out, 1000)
     assert hidden(tmp_path) == []
+
+
+# A run SIGKILLed while removing the old folder after its swap: the removal has taken stats.json and one partition.
+KILLED_REMOVING_OLD = """
+import os, shutil, signal, sys
+from pathlib import Path
+from nystromformer.data.partitions import write_partitions
+from nystromformer.data.readers import SkipLog, expand_inputs, wiki_documents
+out, fixtures = sys.argv[1], sys.argv[2]
+def killed(path, *args, **kwargs):
+    (Path(path) / "stats.json").unlink()
+    sorted(Path(path).glob("part-*.txt"))[0].unlink()
+    os.kill(os.getpid(), signal.SIGKILL)
+shutil.rmtree = killed
+documents = wiki_documents(expand_inputs([fixtures], "wiki_*"), SkipLog())
+write_partitions(documents, out, "wiki", SkipLog(), words_per_partition=100, min_words=128)
+"""
+
+
+def test_a_half_removed_old_folder_is_never_restored(tmp_path, caplog):
+    out = tmp_path / "wiki"
+    write_wiki(out, 60)  # several partitions: one removed leaves a folder of partitions without its stats.json
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "code")}
+    result = subprocess.run([sys.executable, "-c", KILLED_REMOVING_OLD, str(out), str(FIXTURES / "wiki")], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    [trash] = hidden(tmp_path)
+    assert trash.endswith(".trash") and len(partition_files(out)) == 3  # swapped in, then killed removing the old
+    assert len(partition_files(tmp_path / trash)) >= 1  # readable, had it been restored: stats.json is optional
+    shutil.rmtree(out)  # by hand
+    with pytest.raises(Interrupt):
+        write_wiki(out, 100, interrupted_documents())
+    assert not out.exists() and hidden(tmp_path) == []  # the half folder was removed, not restored
+    # The same half folder under a .old name (left by a version that removed it in place): kept, not restored.
+    half = tmp_path / ".wiki.abcd1234.old"
+    write_wiki(half, 60)
+    (half / "stats.json").unlink()
+    (half / "part-00000.txt").unlink()
+    with caplog.at_level("WARNING", logger="nystromformer.data"), pytest.raises(Interrupt):
+        write_wiki(out, 100, interrupted_documents())
+    assert not out.exists() and hidden(tmp_path) == [half.name] and "not restored" in caplog.text
+    assert f"{half}" in caplog.text
+    write_wiki(out, 100)  # output still missing at its start: kept, the new folder written
+    assert len(partition_files(out)) == 3 and hidden(tmp_path) == [half.name]
+    write_wiki(out, 1000)  # a run that finds the folder in place removes it
+    assert len(partition_files(out)) == 1 and hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("how", ["mount-point", "other-file-system"])
+def test_an_output_folder_that_is_a_mount_point_is_refused_before_any_input_is_read(tmp_path, monkeypatch, how):
+    from nystromformer.data import partitions
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    before = file_states(out)
+    if how == "mount-point":  # e.g. `docker run -v /host/wiki:/data/wiki`: a real mount needs root
+        ismount = os.path.ismount
+        monkeypatch.setattr(os.path, "ismount", lambda path: Path(path) == out or ismount(path))
+    else:
+        file_system = partitions._file_system
+        inside = lambda path: out in (Path(path), *Path(path).parents)  # noqa: E731
+        monkeypatch.setattr(partitions, "_file_system", lambda path: file_system(path) + inside(path))
+    read = []
+
+    def documents():
+        read.append(True)
+        yield from wiki_documents(wiki_files(), SkipLog())
+    with pytest.raises(PartitionError, match=rf"{out}: is a mount point.*--output, e\.g\. {out / 'wiki'}"):
+        write_wiki(out, 100, documents())
+    assert not read and file_states(out) == before and hidden(tmp_path) == []
+    write_wiki(out / "wiki", 100, documents())  # a folder inside the mount is what to give
+    assert len(partition_files(out / "wiki")) == 3
 
 
 def test_an_unexpected_missing_file_is_a_bug_with_a_traceback_not_a_user_error(tmp_path, monkeypatch):

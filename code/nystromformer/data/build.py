@@ -11,6 +11,11 @@ Per input partition file (the unit of work and of resumption):
 - its shards ``<dataset>--<part>-<split>-<k>.npy`` (at most ``shard_size`` rows) are written atomically, then a
   manifest entry ``manifest/<dataset>--<part>.json``. A re-run skips files whose entry exists and whose source
   is unchanged; an interrupted run redoes only the files without an entry.
+The partition files are listed once, with their size, mtime and inode, and opened later by path: a ``preprocess``
+that swaps the folder in meanwhile would mix old and new files, so each file is checked against its listing before
+and after it is encoded, and all of them before the indexes are written; a change is an error (rerun when
+``preprocess`` has finished). The manifest records size and mtime only: ``preprocess`` rewrites a partition whose
+content did not change as a new file (a new inode) with the old mtime, and that file stays finished.
 Finally ``train.json``/``dev.json``, ``meta.json`` and ``stats.json`` are (re)written only when they change, so a
 re-run of a finished build touches no file. Every input (partition folders, tokenizer, settings against an existing
 ``meta.json``) is checked before the first file is written, so a mistyped command leaves no trace.
@@ -67,19 +72,45 @@ def parse_dataset(arg: str) -> DatasetSpec:
     return DatasetSpec(Path(folder).resolve().name, Path(folder), ratio)
 
 
+def _identity(path: Path) -> Optional[tuple]:
+    """What tells a partition file from a rewritten one: size, mtime, device and inode (None: it is gone)."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_size, stat.st_mtime_ns, stat.st_dev, stat.st_ino
+
+
 @dataclass(frozen=True)
 class Task:
     dataset: str
     ratio: float
     source: Path
+    listed: Optional[tuple] = None  # the source's _identity when the build listed it (None: not checked)
+
+    @classmethod
+    def from_listing(cls, dataset: str, ratio: float, source: Path) -> "Task":
+        task = cls(dataset, ratio, source, _identity(source))
+        if task.listed is None:  # removed since the folder was listed
+            raise BuildError(f"{source}: the partition folder changed while building (the file was removed after "
+                             f"being listed): rerun build-shards after preprocess has finished")
+        return task
 
     @property
     def key(self) -> str:
         return f"{self.dataset}--{self.source.stem}"
 
     def fingerprint(self) -> dict:
-        stat = self.source.stat()
-        return {"file": str(self.source.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        """What the manifest records: the source as listed (not as found after encoding it)."""
+        size, mtime_ns = (self.listed or _identity(self.source))[:2]
+        return {"file": str(self.source.resolve()), "size": size, "mtime_ns": mtime_ns}
+
+    def check_unchanged(self) -> None:
+        """Fail if the source is not the file the build listed (a ``preprocess`` swapped its folder meanwhile)."""
+        if self.listed is not None and _identity(self.source) != self.listed:
+            raise BuildError(f"{self.source}: the partition folder changed while building (the file was replaced, "
+                             f"changed or removed since build-shards listed it): rerun build-shards after "
+                             f"preprocess has finished")
 
 
 def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Path, meta: dict,
@@ -87,6 +118,7 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     """Encode one partition file into its shards; returns its manifest entry."""
     seq_len, bos, eos = meta["max_seq_len"], meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     block = seq_len - 2
+    task.check_unchanged()  # before its old shards are deleted
     rng = np.random.default_rng([seed, zlib.crc32(task.key.encode())])
     for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
         old.unlink()
@@ -139,6 +171,9 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     stats["tokens_dropped_tail"] = len(carry)
     flush("train", final=True)
     flush("dev", final=True)
+    # The file read may have been swapped out while it was read (the open handle keeps the old one): no entry then,
+    # so the next run encodes the file in place.
+    task.check_unchanged()
     return {"dataset": task.dataset, "source": task.fingerprint(), "ratio": task.ratio, "shards": shards,
             "shard_rows": {split: [np.load(output / n, mmap_mode="r").shape[0] for n in names]
                            for split, names in shards.items()},
@@ -222,7 +257,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
         raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
     output = Path(output)
     # Check every input before writing anything: a failed command must not leave a meta.json behind.
-    tasks = [Task(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
+    tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, seed=seed,
@@ -276,6 +311,14 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
             progress.update()
     progress.close()
 
+    # The indexes must describe the folders as they are: a swap after a file was encoded (or skipped) is an error.
+    for d in datasets:
+        listed = [t.source for t in tasks if t.dataset == d.name]
+        if partition_files(d.folder) != listed:
+            raise BuildError(f"{d.folder}: the partition folder changed while building (its partition files are "
+                             f"not those listed at the start): rerun build-shards after preprocess has finished")
+    for task in tasks:
+        task.check_unchanged()
     # Assemble the split indexes and stats from the manifest, in input order (not completion order).
     entries = [json.loads(manifest_path(t).read_text()) for t in tasks]
     for split in ("train", "dev"):

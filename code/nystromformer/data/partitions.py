@@ -5,9 +5,12 @@ This is the format the paper's scripts wrote (~20M words per partition) and the 
 ``stats.json`` (what was read, kept, dropped and skipped, and the names and sizes of the partitions).
 
 A folder is replaced as a whole: ``preprocess`` writes into a hidden sibling folder and swaps it in at the end
-(two renames), so a reader sees the old folder or the complete new one, never a mix. A run killed between the two
-renames leaves no folder at ``output``; the next run first restores one (see ``_recover_leftovers``). A symlinked
-output is swapped at the link's target. A partition whose content did not change
+(two renames), so one listing of the folder names the files of the old folder or all of the new one. A reader that
+lists the folder once and opens the files later by path can still get files of a folder swapped in meanwhile (a
+file it already holds open stays the old one): such a reader must check that the files did not change while it
+worked, as ``build-shards`` does (size, mtime and inode). A run killed between the two renames leaves no folder at
+``output``; the next run first restores one (see ``_recover_leftovers``). A symlinked output is swapped at the link's
+target; an output that is a mount point cannot be renamed and is refused. A partition whose content did not change
 keeps its modification time (``build-shards`` resumes on size and mtime), and a re-run with the same inputs
 (paths, sizes, mtimes) and settings as the folder's ``stats.json`` records does nothing.
 """
@@ -125,6 +128,21 @@ def _check_replaceable(output: Path) -> None:
                              f"so give it an empty or new --output folder")
 
 
+def _file_system(path: Path) -> int:
+    """The device id of the file system holding ``path``."""
+    return os.stat(path).st_dev
+
+
+def _check_renamable(output: Path) -> None:
+    """Refuse an output folder that is a mount point (a Docker bind mount, say) or on another file system than its
+    parent: the swap renames it aside and a sibling work folder into its place, which fails there (EBUSY, EXDEV)
+    only after all the work, and the work folder would sit on the parent's file system."""
+    if output.is_dir() and (os.path.ismount(output) or _file_system(output) != _file_system(output.parent)):
+        raise PartitionError(f"{output}: is a mount point (or on another file system than its parent folder); "
+                             f"preprocess replaces its output folder by renaming, which cannot be done there: "
+                             f"give a folder inside it as --output, e.g. {output / output.name}")
+
+
 def _complete(folder: Path) -> bool:
     """Whether a work folder was finished: its stats.json (written last) exists and matches its partitions."""
     try:
@@ -155,14 +173,20 @@ def _recover_leftovers(output: Path) -> None:
     """Deal with sibling work folders left by a killed run (an interrupted one cleans up after itself).
 
     When ``output`` is missing (killed between the swap's two renames, or before the first swap of a new folder),
-    it is restored first: from the folder the killed run had moved aside (``.old``), else from a complete work
-    folder (``.partial`` whose stats.json matches its partitions). The other leftovers are then removed."""
-    pattern = re.compile(rf"\.{re.escape(output.name)}\.[A-Za-z0-9_]{{8}}\.(partial|old)")
+    it is restored first: from the folder the killed run had moved aside (``.old``) if it is complete, else from a
+    complete work folder (``.partial``); complete: its stats.json matches its partitions. A ``.trash`` folder (an
+    old folder being removed after a swap, maybe half gone) is never restored. The other leftovers are then
+    removed, except an incomplete ``.old`` while ``output`` is missing: it stays, with a warning, until a run finds
+    ``output`` in place."""
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.[A-Za-z0-9_]{{8}}\.(partial|old|trash)")
     leftovers = [p for p in output.parent.iterdir() if pattern.fullmatch(p.name) and (p.is_dir() or p.is_symlink())]
     if not os.path.lexists(output):
         # The newest .old (a rename sets its ctime) is the folder that was at output; else the complete .partial.
         olds = sorted((p for p in leftovers if p.name.endswith(".old") and p.is_dir()),
                       key=lambda p: p.lstat().st_ctime_ns, reverse=True)
+        # An incomplete .old may be half deleted (left by a version that removed it in place): never restored.
+        kept = [p for p in olds if not _complete(p)]
+        olds = [p for p in olds if p not in kept]
         partials = [p for p in leftovers if p.name.endswith(".partial") and not p.is_symlink() and _complete(p)]
         for source in olds[:1] or partials[:1]:
             os.rename(source, output)
@@ -170,6 +194,11 @@ def _recover_leftovers(output: Path) -> None:
             log.warning("%s was missing (a preprocess run was killed while swapping it in): restored it from %s",
                         output, source.name)
             leftovers.remove(source)
+        for path in kept:
+            log.warning("%s is missing and %s, a folder a killed preprocess run had moved aside, is not restored: "
+                        "it has no stats.json matching its partitions (it may be half deleted); it stays until a "
+                        "preprocess run finds %s in place, which removes it", output, path, output.name)
+            leftovers.remove(path)
     for path in leftovers:
         log.info("removing %s (left by a killed preprocess run)", path)
         _remove(path)
@@ -203,7 +232,13 @@ def _swap_in(work: Path, output: Path) -> None:
         raise
     atomic._fsync_dir(output.parent)
     if os.path.lexists(old):
-        _remove(old)  # best effort: the swap is done, a failure here must not fail the run
+        # Renamed first: a kill during the removal leaves a half-deleted .trash, which is never restored (a .old is).
+        trash = old.with_name(old.name[: -len(".old")] + ".trash")
+        try:
+            os.rename(old, trash)
+        except OSError:
+            trash = old
+        _remove(trash)  # best effort: the swap is done, a failure here must not fail the run
 
 
 def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips: SkipLog,
@@ -216,6 +251,7 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
     output = Path(output).resolve()
     if words_per_partition < 1:
         raise PartitionError(f"--words-per-partition must be at least 1, got {words_per_partition}")
+    _check_renamable(output)  # before any input is read: the swap at the end would fail
     if output.parent.is_dir():  # first, so that a restored folder can be up to date
         _recover_leftovers(output)
         output = output.resolve()  # a restored .old may be a symlink (moved by a version that renamed links)
