@@ -1,6 +1,5 @@
 """The Docker image definition, the container's entry command, and the Makefile's targets."""
 import os
-import re
 import shlex
 import shutil
 import subprocess

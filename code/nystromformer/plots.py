@@ -35,7 +35,8 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
             ax_acc.plot(steps, [e["mlm_accu"] for e in train], color=colour, alpha=0.3)
         if dev:
             ax_loss.plot([e["step"] for e in dev], [e["loss"] for e in dev], "o--", color=colour, label=f"{label} dev")
-            ax_acc.plot([e["step"] for e in dev], [e["mlm_accu"] for e in dev], "o--", color=colour, label=f"{label} dev")
+            ax_acc.plot([e["step"] for e in dev], [e["mlm_accu"] for e in dev], "o--", color=colour,
+                        label=f"{label} dev")
     ax_loss.set(xlabel="step", ylabel="MLM loss", title="MLM loss")
     ax_acc.set(xlabel="step", ylabel="MLM accuracy", title="MLM accuracy (dev: points)")
     ax_loss.legend()
