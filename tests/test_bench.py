@@ -51,3 +51,12 @@ def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
         assert float(tokens_per_s) > 0 and float(step_ms) > 0
         assert device_ms == "n/a"         # no CUDA here
     assert rows[2][2] == "1.00"           # softmax against itself
+
+
+def test_pinv_precision_shows_tf32_products_within_bf16_rounding_and_bf16_products_not():
+    # The reason the iteration's products run at tf32 for bf16 attention (docs/performance.md): emulated in fp64.
+    lines = run_script("bench/pinv_precision.py", "--batch-heads", "4", "--scales", "1", "4")
+    rows = table_rows(lines)
+    assert [r[0] for r in rows] == ["1", "4"]
+    for scale, cond, z_tf32, z_bf16, z_mix, out_tf32, out_bf16, out_mix, bf16_once in rows:
+        assert float(out_tf32) < float(bf16_once) < float(out_bf16)
