@@ -109,13 +109,51 @@ def test_shard_size_bounds_rows_per_shard(partitions, trained_tokenizer, tmp_pat
 
 
 def test_dev_split_is_deterministic_about_a_tenth_and_depends_on_the_seed(partitions, trained_tokenizer, tmp_path):
-    a = build(partitions, trained_tokenizer, tmp_path / "a", seq_len=16)
-    b = build(partitions, trained_tokenizer, tmp_path / "b", seq_len=16, workers=1)
-    c = build(partitions, trained_tokenizer, tmp_path / "c", seq_len=16, seed=1)
+    a = build(partitions, trained_tokenizer, tmp_path / "a", seq_len=16, dev_run=1)
+    b = build(partitions, trained_tokenizer, tmp_path / "b", seq_len=16, workers=1, dev_run=1)
+    c = build(partitions, trained_tokenizer, tmp_path / "c", seq_len=16, seed=1, dev_run=1)
     assert np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "b", "dev"))
     assert not np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "c", "dev"))
     assert 0.05 < a["dev_sequences"] / (a["train_sequences"] + a["dev_sequences"]) < 0.15
     assert a == b and a["train_sequences"] + a["dev_sequences"] == c["train_sequences"] + c["dev_sequences"]
+
+
+def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_tokenizer, tmp_path):
+    # As the paper's pipeline sent whole files of 8,192 consecutive sequences to dev: dev text seldom neighbours
+    # trained text. With every sequence in train the shards hold each file's sequences in order.
+    order = build(partitions, trained_tokenizer, tmp_path / "order", seq_len=16, datasets=("wiki",),
+                  dev_fraction=0.0)
+    assert order["dev_sequences"] == 0
+    index = {tuple(r): i for i, r in enumerate(all_rows(tmp_path / "order", "train"))}
+    build(partitions, trained_tokenizer, tmp_path / "runs", seq_len=16, datasets=("wiki",),
+          dev_fraction=0.4, dev_run=4)
+    dev = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "dev")}
+    train = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "train")}
+    assert dev and train and not dev & train and len(dev | train) == len(index)
+    # Runs are counted per partition file, from its first sequence: within a file, run k is all dev or all train.
+    files = json.loads((tmp_path / "order" / "train.json").read_text())["shards"]
+    starts, first = [], 0
+    for shard in files:                      # shard names: <dataset>--<part>-train-<k>.npy, in file order
+        part = shard["file"].rsplit("-train-", 1)[0]
+        if not starts or starts[-1][0] != part:
+            starts.append((part, first))
+        first += shard["num_sequences"]
+    bounds = [b for _, b in starts] + [len(index)]
+    for lo, hi in zip(bounds, bounds[1:]):
+        for run_lo in range(lo, hi, 4):
+            members = set(range(run_lo, min(run_lo + 4, hi)))
+            assert members <= dev or members <= train, (run_lo, sorted(members & dev))
+
+
+def test_a_folder_built_before_dev_runs_resumes_only_with_its_per_sequence_split(partitions, trained_tokenizer,
+                                                                                 tmp_path):
+    build(partitions, trained_tokenizer, tmp_path, seq_len=16, dev_run=1)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["dev_run"]                      # as such a build wrote it
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(BuildError, match="dev_run"):
+        build(partitions, trained_tokenizer, tmp_path, seq_len=16)
+    build(partitions, trained_tokenizer, tmp_path, seq_len=16, dev_run=1)
 
 
 def test_sampling_ratio_keeps_a_seeded_subset_of_a_datasets_sequences(partitions, trained_tokenizer, tmp_path):

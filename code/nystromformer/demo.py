@@ -148,7 +148,8 @@ def run_demo(out: Path) -> int:
     nystromformer("train-tokenizer", "--input", partitions, "--output", out / "tokenizer", "--vocab-size", "2000")
     banner("4/7 token shards at 128 and 512")
     for length in (128, 512):
-        nystromformer("build-shards", "--seq-len", length, "--tokenizer", out / "tokenizer",
+        # dev by runs of 8 consecutive sequences: the default (8,192, the paper's) exceeds this sample's size
+        nystromformer("build-shards", "--seq-len", length, "--tokenizer", out / "tokenizer", "--dev-run", 8,
                       "--output", out / f"data-{length}", partitions)
     banner("5/7 pretrain a tiny Nyströmformer at 128, interrupt it, resume it")
     interrupted_at = pretrain_with_interruption(out / "tiny-128")

@@ -49,8 +49,8 @@ LOCK_NAME = "pretrain.lock"
 # shard list (file name, number of sequences) and, as reading all would take minutes on a full corpus, the first
 # and last rows of each shard. Bump DATA_RECORD_FORMAT when what is recorded changes.
 DATA_RECORD_FORMAT = 2
-DATA_META_KEYS = ("max_seq_len", "vocab_size", "dtype", "special_tokens", "datasets", "dev_fraction", "seed",
-                  "shard_size")
+DATA_META_KEYS = ("max_seq_len", "vocab_size", "dtype", "special_tokens", "datasets", "dev_fraction", "dev_run",
+                  "seed", "shard_size")  # a record is compared on the keys it holds: adding one needs no new format
 # fp16 with a GradScaler skips a step whose loss is not finite (the weights stay as they were), as an fp16
 # overflow in the forward pass can hit one batch and not the next; this many in a row is a divergence.
 MAX_CONSECUTIVE_SKIPPED_STEPS = 10

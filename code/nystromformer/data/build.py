@@ -6,8 +6,11 @@ Per input partition file (the unit of work and of resumption):
 - the token stream is cut into contiguous blocks of ``seq_len - 2`` tokens, each wrapped as ``<s> block </s>``,
   so every sequence has exactly ``seq_len`` ids; the tail shorter than a block is dropped (and counted);
 - each sequence draws two numbers from a generator seeded by (seed, dataset, file name): one keeps it with
-  probability = the dataset's sampling ratio, the other sends it to dev with probability ``dev_fraction``.
-  So the result does not depend on the number of workers or on which files were built in an earlier run;
+  probability = the dataset's sampling ratio; the dev split goes by runs of ``dev_run`` consecutive sequences
+  (default 8,192, the paper's output files), each sent to dev with probability ``dev_fraction`` by a second
+  generator, so that dev text rarely neighbours trained text (``dev_run`` 1: per sequence, with the other draw, as
+  builds before this option). So the result does not depend on the number of workers or on which files were
+  built in an earlier run;
 - its shards ``<dataset>--<part>-<split>-<k>.npy`` (at most ``shard_size`` rows) are written atomically, then a
   manifest entry ``manifest/<dataset>--<part>.json``. A re-run skips files whose entry exists and whose source
   is unchanged; an interrupted run redoes only the files without an entry.
@@ -46,6 +49,7 @@ log = logging.getLogger("nystromformer.data")
 
 MANIFEST_DIR = "manifest"
 SHARD_SIZE = 16384  # sequences per shard: 16 MB at seq_len 512 (uint16), 128 MB at 4096
+DEV_RUN = 8192  # consecutive sequences sent to dev or train together: the paper's output files held 8,192
 # Paper's mixture: BookCorpus and Wikipedia whole, RealNews and Stories one third.
 PAPER_RATIOS = {"bookcorpus": 1.0, "wiki": 1.0, "realnews": 1 / 3, "stories": 1 / 3}
 
@@ -114,12 +118,14 @@ class Task:
 
 
 def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Path, meta: dict,
-                               shard_size: int, dev_fraction: float, seed: int) -> dict:
+                               shard_size: int, dev_fraction: float, seed: int, dev_run: int = 1) -> dict:
     """Encode one partition file into its shards; returns its manifest entry."""
     seq_len, bos, eos = meta["max_seq_len"], meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     block = seq_len - 2
     task.check_unchanged()  # before its old shards are deleted
     rng = np.random.default_rng([seed, zlib.crc32(task.key.encode())])
+    run_rng = np.random.default_rng([seed, zlib.crc32(task.key.encode()), 1])  # one draw per run of dev_run
+    run_is_dev: List[bool] = []
     for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
         old.unlink()
     shards: Dict[str, List[str]] = {"train": [], "dev": []}
@@ -143,7 +149,13 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
             sequences[:, 0], sequences[:, 1:-1], sequences[:, -1] = bos, blocks, eos
             draws = rng.random((count, 2))
             keep = draws[:, 0] < task.ratio
-            to_dev = draws[:, 1] < dev_fraction
+            if dev_run == 1:
+                to_dev = draws[:, 1] < dev_fraction
+            else:
+                runs = (stats["sequences"] + np.arange(count)) // dev_run   # runs of the file's sequence order
+                while len(run_is_dev) <= runs[-1]:
+                    run_is_dev.append(bool(run_rng.random() < dev_fraction))
+                to_dev = np.asarray(run_is_dev)[runs]
             stats["sequences"] += count
             stats["sequences_sampled_out"] += int((~keep).sum())
             for split, chosen in (("train", keep & ~to_dev), ("dev", keep & to_dev)):
@@ -244,8 +256,10 @@ def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
 
 def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,
                  shard_size: int = SHARD_SIZE, dev_fraction: float = 0.1, seed: int = 0, workers: int = 1,
-                 on_partition_done: Optional[Callable[[Task], None]] = None) -> dict:
+                 on_partition_done: Optional[Callable[[Task], None]] = None, dev_run: int = DEV_RUN) -> dict:
     """Build (or resume) a shard folder; returns the stats written to ``stats.json``."""
+    if dev_run < 1:
+        raise BuildError(f"--dev-run must be at least 1 (sequences), got {dev_run}")
     if seq_len < 3:
         raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
     if not 0 <= dev_fraction < 1:
@@ -260,8 +274,8 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
-                     datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, seed=seed,
-                     shard_size=shard_size)
+                     datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
+                     seed=seed, shard_size=shard_size)
     existing = output / "meta.json"
     if existing.is_file():
         try:
@@ -269,6 +283,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
         except json.JSONDecodeError as e:
             raise BuildError(f"{existing}: not valid JSON ({e}); delete the folder and build again") from None
         new = json.loads(json.dumps(meta))
+        old.setdefault("dev_run", 1)  # built before the option: split per sequence
         changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
             changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
@@ -289,7 +304,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     pending = [t for t in tasks if not finished(t)]
     log.info("%d of %d partition files to encode (%d already done)", len(pending), len(tasks),
              len(tasks) - len(pending))
-    options = dict(shard_size=shard_size, dev_fraction=dev_fraction, seed=seed)
+    options = dict(shard_size=shard_size, dev_fraction=dev_fraction, seed=seed, dev_run=dev_run)
 
     def record(task: Task, entry: dict) -> None:
         atomic.write_json(manifest_path(task), entry)  # written after the shards: its presence means done

@@ -99,12 +99,12 @@ def cmd_build_shards(args) -> int:
     from .build import build_shards, parse_dataset
     _logging()
     build_shards([parse_dataset(d) for d in args.datasets], args.output, args.tokenizer, args.seq_len,
-                 args.shard_size, args.dev_fraction, args.seed, args.workers)
+                 args.shard_size, args.dev_fraction, args.seed, args.workers, dev_run=args.dev_run)
     return 0
 
 
 def add_commands(subparsers) -> None:
-    from .build import SHARD_SIZE
+    from .build import DEV_RUN, SHARD_SIZE
     from .partitions import WORDS_PER_PARTITION
 
     p = subparsers.add_parser("extract-wiki", help="extract article text from a Wikipedia XML dump (wikiextractor)")
@@ -148,6 +148,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="sequences per shard")
     p.add_argument("--dev-fraction", type=float, default=0.1)
+    p.add_argument("--dev-run", type=int, default=DEV_RUN,
+                   help="consecutive sequences that go to dev or train together (the paper: files of 8192; "
+                        "1: per sequence, as builds before this option)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes encoding partition files in parallel")
