@@ -33,7 +33,7 @@ def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def current_umask() -> int:
@@ -51,7 +51,7 @@ def current_umask() -> int:
     return mask
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -190,7 +190,7 @@ def _recover_leftovers(output: Path) -> None:
         partials = [p for p in leftovers if p.name.endswith(".partial") and not p.is_symlink() and _complete(p)]
         for source in olds[:1] or partials[:1]:
             os.rename(source, output)
-            atomic._fsync_dir(output.parent)
+            atomic.fsync_dir(output.parent)
             log.warning("%s was missing (a preprocess run was killed while swapping it in): restored it from %s",
                         output, source.name)
             leftovers.remove(source)
@@ -230,7 +230,7 @@ def _swap_in(work: Path, output: Path) -> None:
         if not os.path.lexists(output) and os.path.isdir(old):
             os.rename(old, output)
         raise
-    atomic._fsync_dir(output.parent)
+    atomic.fsync_dir(output.parent)
     if os.path.lexists(old):
         # Renamed first: a kill during the removal leaves a half-deleted .trash, which is never restored (a .old is).
         trash = old.with_name(old.name[: -len(".old")] + ".trash")
