@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
-from nystromformer.model import NystromformerForMaskedLM  # noqa: E402
+from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap"]
@@ -90,16 +90,17 @@ def batch(cfg, b, n, device, seed=0, padding_mask=False):
     sel = torch.rand(b, n, generator=g) < 0.15
     labels[sel] = ids[sel]
     mask = torch.ones(b, n, dtype=torch.long, device=device) if padding_mask else None
-    return ids.to(device), labels.to(device), mask
+    # Found on the host, as pretraining does: no device sync for the masked positions' data-dependent count.
+    return ids.to(device), labels.to(device), mask, masked_positions_of(labels).to(device)
 
 
 def step_fn(model, is_hf, opt, device, amp):
-    def step(ids, labels, mask):
+    def step(ids, labels, mask, positions):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             if is_hf:
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             else:
-                loss = model(ids, labels, mask).loss
+                loss = model(ids, labels, mask, masked_positions=positions).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from nystromformer.config import ATTENTION_TYPES, config_from_dict
 from nystromformer.mlm import padding_mask
-from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM,
-                                 NystromformerForSequenceClassification)
+from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM, NystromformerForSequenceClassification,
+                                 masked_positions_of)
 
 from helpers import tiny_config
 
@@ -25,6 +25,23 @@ def test_masked_lm_loss_equals_cross_entropy_over_full_logits_at_masked_position
     full = F.cross_entropy(model.logits(ids).transpose(1, 2), labels, ignore_index=IGNORE_INDEX)
     assert torch.allclose(out.loss, full, atol=1e-5)
     assert out.num_masked.item() == (labels != IGNORE_INDEX).sum().item()
+
+
+def test_masked_positions_found_by_the_caller_give_the_same_loss_and_gradients_as_the_labels_mask():
+    # Pretraining finds them on the host before the batch is copied (no device sync for a data-dependent size).
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config())
+    ids = torch.randint(5, 64, (3, 32))
+    labels = torch.where(torch.rand(3, 32) < 0.2, ids, IGNORE_INDEX)
+    results = []
+    for positions in (None, masked_positions_of(labels)):
+        model.zero_grad()
+        out = model(ids, labels, masked_positions=positions)
+        out.loss.backward()
+        results.append((out.loss_sum, out.num_masked, out.num_correct, model.encoder.embeddings.word_embeddings.weight.grad))
+    for given, found in zip(*results):
+        assert torch.equal(given, found)
+    assert masked_positions_of(labels).tolist() == [i for i, label in enumerate(labels.view(-1)) if label != IGNORE_INDEX]
 
 
 def test_mlm_decoder_is_tied_to_the_word_embeddings():

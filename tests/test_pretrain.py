@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,54 @@ def test_both_attention_types_pretrain(tmp_path, data, attn_type):
     folder = model_dir(tmp_path, model={"attn_type": attn_type}, pretraining_setting={"epoch": 1})
     assert run(folder) == 0
     assert len(losses(folder)) == 4
+
+
+def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_checkpoint(tmp_path, data, monkeypatch):
+    # Step s + 1 is queued before step s's loss is read back (a read waits for the device), so the host prepares
+    # the next batch while the device works; a checkpoint is written only once every queued step's loss is read.
+    events = []
+
+    def record(name, original):
+        def wrapper(*args, **kwargs):
+            events.append(name(*args))
+            return original(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", record(lambda *a: "queue", NystromformerForMaskedLM.forward))
+    monkeypatch.setattr(NonFiniteLosses, "check", record(lambda self, loss, step: f"read {step}", NonFiniteLosses.check))
+    for save in ("save_epoch", "save_preempted"):
+        monkeypatch.setattr(checkpoint, save, record(lambda *a, save=save: save, getattr(checkpoint, save)))
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 3, "epoch": 2, "validate_batches_per_epoch": 0},
+                       gpu_setting={"inst_per_gpu": 16})
+    assert run(folder, stop_at_step=5) == PREEMPTED_EXIT_CODE
+    assert events == ["queue", "queue", "read 1", "queue", "read 2", "read 3", "save_epoch",
+                      "queue", "queue", "read 4", "read 5", "save_preempted"]
+    assert [s for s, _ in losses(folder)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss(tmp_path, data, monkeypatch):
+    # Host-device syncs (copies from pageable memory, boolean indexing, .item()) idle the device while the host
+    # prepares and launches; torch's sync debug mode warns at each one.
+    at_read = []
+    check = NonFiniteLosses.check
+    folder = model_dir(tmp_path, model={"attn_type": "nystrom"},
+                       pretraining_setting={"batches_per_epoch": 6, "epoch": 1, "validate_batches_per_epoch": 0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        def syncs():
+            return [str(w.message) for w in caught if "synchronizing CUDA operation" in str(w.message)]
+        monkeypatch.setattr(NonFiniteLosses, "check", lambda self, loss, step: (at_read.append(len(syncs())),
+                                                                                check(self, loss, step))[1])
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert pretrain(load_config(folder), device="cuda", show_progress=False) == 0
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert syncs(), "the sync debug mode reported nothing: the count below would prove nothing"
+    # Between two reads: one step queued (no sync) and one loss read (one sync).
+    assert len(at_read) == 6
+    assert [b - a for a, b in zip(at_read[1:], at_read[2:])] == [1] * 4, at_read
 
 
 def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_keys(tmp_path, data, monkeypatch):

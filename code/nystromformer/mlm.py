@@ -10,7 +10,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .model import IGNORE_INDEX
+from .model import IGNORE_INDEX, masked_positions_of
 from .shards import ShardedSequences
 
 # Streams of the per-step seeds, so that training masks, dev masks and dropout never share draws.
@@ -80,6 +80,14 @@ def padding_mask(inputs: torch.Tensor, pad_id: int) -> Optional[torch.Tensor]:
     return None if bool(is_token.all()) else is_token.long()
 
 
+def to_device(tensors, device: torch.device):
+    """Copy CPU tensors (None passes through) to ``device`` without making the host wait: on CUDA through pinned
+    memory, as a copy from pageable memory synchronises with the device."""
+    if device.type != "cuda":
+        return tuple(None if t is None else t.to(device) for t in tensors)
+    return tuple(None if t is None else t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int, micro_batch: int,
              seed: int, mask_prob: float, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
@@ -101,10 +109,10 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
                   for i, r in enumerate(rows)]
         inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
         attention_mask = padding_mask(inputs, special["pad"])
-        inputs, labels = inputs.to(device), labels.to(device)
-        attention_mask = None if attention_mask is None else attention_mask.to(device)
+        inputs, labels, attention_mask, positions = to_device((inputs, labels, attention_mask,
+                                                               masked_positions_of(labels)), device)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            out = model(inputs, labels, attention_mask=attention_mask)
+            out = model(inputs, labels, attention_mask=attention_mask, masked_positions=positions)
         totals += torch.stack([out.loss_sum.double(), out.num_masked.double(), out.num_correct.double()])
     if world_size > 1:
         torch.distributed.all_reduce(totals)

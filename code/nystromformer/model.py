@@ -182,17 +182,28 @@ class NystromformerForMaskedLM(nn.Module):
         hidden = self.encoder(input_ids, attention_mask, token_type_ids)
         return self.mlm_head(hidden, self.encoder.embeddings.word_embeddings.weight)
 
-    def forward(self, input_ids, labels, attention_mask=None, token_type_ids=None) -> MLMOutput:
+    def forward(self, input_ids, labels, attention_mask=None, token_type_ids=None,
+                masked_positions=None) -> MLMOutput:
+        """``masked_positions``: the flat indices (into ``labels.view(-1)``) of the labelled positions, if the caller
+        has them: found on the host before the batch is copied, they spare a device sync (``labels != -100`` has
+        a data-dependent size) in the middle of the step."""
         hidden = self.encoder(input_ids, attention_mask, token_type_ids)
+        if masked_positions is None:
+            masked_positions = masked_positions_of(labels)
         # Only masked positions go through the vocabulary projection: ~15% of the work and memory.
-        selected = labels != IGNORE_INDEX
-        targets = labels[selected]
-        logits = self.mlm_head(hidden[selected], self.encoder.embeddings.word_embeddings.weight).float()
+        targets = labels.reshape(-1).index_select(0, masked_positions)
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, masked_positions)
+        logits = self.mlm_head(selected, self.encoder.embeddings.word_embeddings.weight).float()
         loss_sum = F.cross_entropy(logits, targets, reduction="sum")
         num_masked = targets.numel()
         num_correct = (logits.argmax(dim=-1) == targets).sum()
         return MLMOutput(loss=loss_sum / max(num_masked, 1), loss_sum=loss_sum,
-                         num_masked=torch.tensor(num_masked, device=input_ids.device), num_correct=num_correct)
+                         num_masked=torch.full((), num_masked, device=input_ids.device), num_correct=num_correct)
+
+
+def masked_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices of the positions with a label (row-major order, as boolean indexing selects them)."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
 
 
 class ClassificationHead(nn.Module):

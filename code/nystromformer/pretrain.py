@@ -36,8 +36,8 @@ from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .jsonlog import JsonLog
 from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate, generator, mask_tokens,
-                  micro_batches, padding_mask)
-from .model import NystromformerForMaskedLM
+                  micro_batches, padding_mask, to_device)
+from .model import NystromformerForMaskedLM, masked_positions_of
 from .shards import ShardedSequences, ShardError
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped before finishing", so restart policies retry
@@ -124,11 +124,30 @@ class PreemptionFlag:
 
     def agreed(self, rt: Runtime) -> int:
         """The signal every rank stops for (0: none)."""
+        return self.agreement(self.queue_agreement(rt))
+
+    def queue_agreement(self, rt: Runtime) -> Optional[torch.Tensor]:
+        """Under DDP, queue the reduction of this rank's signal over all ranks (read by ``agreement``), so that
+        every rank stops at the same step; None for a single process."""
         if rt.world_size == 1:
-            return self.signum
+            return None
         flag = torch.tensor([float(self.signum)], device=rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        return int(flag.item())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def agreement(self, flag: Optional[torch.Tensor]) -> int:
+        return self.signum if flag is None else int(flag.item())
+
+
+@dataclass
+class QueuedStep:
+    """A training step whose work is queued on the device and whose loss has not been read back yet."""
+    step: int  # counted from 1
+    started: float  # time.perf_counter() when its batch was prepared
+    lr: float
+    total_masked: int  # masked tokens in the whole batch (all ranks)
+    totals: torch.Tensor  # loss sum and correct predictions (all-reduced under DDP)
+    stop_flag: Optional[torch.Tensor]  # DDP: PreemptionFlag.queue_agreement's reduction
 
 
 LOCK_TAKEN, LOCK_BUSY, LOCK_FAILED = 1, 0, -1
@@ -463,6 +482,74 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
                 "rng_state": rng_state(), "epoch": step // ps.batches_per_epoch, "step": step,
                 "inst_pass": step * ps.batch_size, "config": cfg.to_dict(), "data": data_id}
 
+    def queue_step(done: int) -> QueuedStep:
+        """Prepare batch ``done`` + 1 and queue its forward, backward and optimizer step; nothing waits for the
+        device here (with fp16, GradScaler.step does: it reads whether the gradients overflowed)."""
+        started = time.perf_counter()
+        ids = torch.from_numpy(train.rows(order.indices(done * ps.batch_size, ps.batch_size)))
+        inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, done), ps.mask_prob, special, vocab_size)
+        total_masked = max(int((labels != -100).sum()), 1)
+        mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+        inputs, labels = inputs[mine], labels[mine]
+        attention_mask = padding_mask(inputs, special["pad"])  # None for full-length rows (no padding)
+        chunks = list(micro_batches(per_rank, micro))
+        positions = to_device([masked_positions_of(labels[chunk]) for chunk in chunks], rt.device)
+        inputs, labels, attention_mask = to_device((inputs, labels, attention_mask), rt.device)
+        torch.manual_seed(derived_seed(ps.seed, STREAM_DROPOUT, done, rt.rank))
+
+        totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, correct
+        for i, chunk in enumerate(chunks):
+            sync = i == len(chunks) - 1 or rt.world_size == 1
+            ctx = ddp_model.no_sync() if not sync else contextlib.nullcontext()
+            with ctx, torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
+                                     enabled=rt.autocast_dtype is not None):
+                out = ddp_model(inputs[chunk], labels[chunk],
+                                attention_mask=None if attention_mask is None else attention_mask[chunk],
+                                masked_positions=positions[i])
+                # Normalise by the global masked count: the gradient is that of the mean over the whole
+                # batch however it is split (DDP averages over ranks, hence the world_size factor).
+                loss = out.loss_sum * (rt.world_size / total_masked)
+                scaler.scale(loss).backward()
+            totals += torch.stack([out.loss_sum.detach().double(), out.num_correct.double()])
+        if ps.max_grad_norm is not None:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), ps.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        if rt.world_size > 1:
+            dist.all_reduce(totals)
+        return QueuedStep(done + 1, started, lr, total_masked, totals, preemption.queue_agreement(rt))
+
+    last_report = 0.0
+
+    def report(queued: QueuedStep) -> int:
+        """Read back a queued step's loss (waiting for that step's work only), check it is finite, log it and
+        advance the progress bar; returns the signal every rank stops for (0: none)."""
+        nonlocal last_report
+        loss_sum, correct = queued.totals.tolist()
+        signum = preemption.agreement(queued.stop_flag)
+        now = time.perf_counter()
+        # Steps overlap, so a step's time is the interval between reports (from its start for the first one).
+        seconds, last_report = now - max(queued.started, last_report), now
+        done, epoch = queued.step, (queued.step - 1) // ps.batches_per_epoch
+        loss_value, accu = loss_sum / queued.total_masked, correct / queued.total_masked
+        if nonfinite.check(loss_value, done):  # the same on every rank (all-reduced)
+            if rt.is_main:
+                tqdm.write(f"warning: the training loss is {loss_value} at step {done}; the GradScaler skipped the "
+                           f"step ({nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop the run)")
+            log.write(type="skipped", epoch=epoch, step=done, loss=str(loss_value), lr=queued.lr)
+        else:
+            log.write(type="train", epoch=epoch, step=done, loss=loss_value, mlm_accu=accu, lr=queued.lr,
+                      time=seconds, inst_pass=done * ps.batch_size,
+                      tokens_per_s=ps.batch_size * train.seq_len / seconds)
+            if done % ps.batches_per_report == 0:
+                bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{queued.lr:.2e}")
+        bar.update(1)
+        return signum
+
     model.train()
     if stop_at_step is not None and step >= stop_at_step and step < total_steps:
         say(f"already at step {step} >= --stop-at-step {stop_at_step}; nothing to do")
@@ -471,68 +558,26 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         epoch = step // ps.batches_per_epoch
         bar = tqdm(total=ps.batches_per_epoch, initial=step % ps.batches_per_epoch, desc=f"epoch {epoch}",
                    disable=not (rt.is_main and show_progress), mininterval=1.0, dynamic_ncols=True)
+        queued: Optional[QueuedStep] = None
         while True:
-            t0 = time.perf_counter()
-            ids = torch.from_numpy(train.rows(order.indices(step * ps.batch_size, ps.batch_size)))
-            inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, step), ps.mask_prob, special, vocab_size)
-            total_masked = max(int((labels != -100).sum()), 1)
-            mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
-            inputs, labels = inputs[mine], labels[mine]
-            attention_mask = padding_mask(inputs, special["pad"])  # None for full-length rows (no padding)
-            inputs, labels = inputs.to(rt.device), labels.to(rt.device)
-            if attention_mask is not None:
-                attention_mask = attention_mask.to(rt.device)
-            torch.manual_seed(derived_seed(ps.seed, STREAM_DROPOUT, step, rt.rank))
-
-            totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, correct
-            chunks = list(micro_batches(per_rank, micro))
-            for i, chunk in enumerate(chunks):
-                sync = i == len(chunks) - 1 or rt.world_size == 1
-                ctx = ddp_model.no_sync() if not sync else contextlib.nullcontext()
-                with ctx, torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
-                                         enabled=rt.autocast_dtype is not None):
-                    out = ddp_model(inputs[chunk], labels[chunk],
-                                    attention_mask=None if attention_mask is None else attention_mask[chunk])
-                    # Normalise by the global masked count: the gradient is that of the mean over the whole
-                    # batch however it is split (DDP averages over ranks, hence the world_size factor).
-                    loss = out.loss_sum * (rt.world_size / total_masked)
-                    scaler.scale(loss).backward()
-                totals += torch.stack([out.loss_sum.detach().double(), out.num_correct.double()])
-            if ps.max_grad_norm is not None:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), ps.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            if rt.world_size > 1:
-                dist.all_reduce(totals)
+            # The device runs one step ahead of the host: step s + 1 is queued before step s's loss is read back,
+            # so the host prepares and launches the next batch while the device is still busy, instead of idling
+            # it at a sync every step.
+            current = queue_step(step)
             step += 1
-            seconds = time.perf_counter() - t0
-            loss_value, accu = totals[0].item() / total_masked, totals[1].item() / total_masked
             try:
-                skipped = nonfinite.check(loss_value, step)  # the same on every rank (all-reduced)
+                signum = report(queued) if queued is not None else 0
+                queued = current
+                stopping = signum or (stop_at_step is not None and step >= stop_at_step)
+                if stopping or step % ps.batches_per_epoch == 0:
+                    signum = max(signum, report(queued))  # every step's loss is checked before a checkpoint
+                    queued = None
             except TrainingDiverged:
                 bar.close()
                 raise
-            if skipped:
-                if rt.is_main:
-                    tqdm.write(f"warning: the training loss is {loss_value} at step {step}; the GradScaler skipped "
-                               f"the step ({nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop "
-                               f"the run)")
-                log.write(type="skipped", epoch=epoch, step=step, loss=str(loss_value), lr=lr)
-            else:
-                log.write(type="train", epoch=epoch, step=step, loss=loss_value, mlm_accu=accu, lr=lr, time=seconds,
-                          inst_pass=step * ps.batch_size, tokens_per_s=ps.batch_size * train.seq_len / seconds)
-                if step % ps.batches_per_report == 0:
-                    bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{lr:.2e}")
-            bar.update(1)
-
             if step % ps.batches_per_epoch == 0:
                 break
-            signum = preemption.agreed(rt)
-            if (stop_at_step is not None and step >= stop_at_step) or signum:
+            if stopping:
                 bar.close()
                 if rt.is_main:
                     path = checkpoint.save_preempted(ckpt_dir, state_dict())
