@@ -13,7 +13,8 @@ import torch
 from nystromformer import atomic
 from nystromformer.config import ModelConfig
 from nystromformer.glue.commands import main as run_glue_main, settings_to_argv, settings_from_args
-from nystromformer.glue.finetune import FinetuneSettings, SettingsError, finetune, log_path, run_dir
+from nystromformer.glue.finetune import (FinetuneSettings, SettingsError, SubmissionError, finetune, log_path,
+                                        run_dir)
 from nystromformer.glue.submission import read_submission
 from nystromformer.glue.sweep import grid, run_sweep, summary_dir, write_summary
 from nystromformer.model import NystromformerForMaskedLM
@@ -136,12 +137,18 @@ def test_sweep_writes_a_summary_and_skips_finished_runs_when_rerun(fixture_model
     assert first["ran"] == ["MRPC-0-0.001-2-2", "MRPC-0-0.002-2-2"] and first["skipped"] == []
     summary = first["summary"]
     csv_lines = Path(summary["csv"]).read_text().splitlines()
-    assert csv_lines[0] == "task,checkpoint,lr,batch_size,epochs,best_epoch,score,accuracy,f1"
-    assert len(csv_lines) == 3
+    assert csv_lines[0] == "task,checkpoint,lr,batch_size,epochs,best_epoch,score,accuracy,f1,run,submission"
+    assert len(csv_lines) == 3 and all(line.endswith(",MRPC.tsv") for line in csv_lines[1:])
     best = max(summary["rows"], key=lambda r: r["score"])
+    # The best run's predictions are collected for the leaderboard, and what a full submission lacks is named.
+    collected = Path(summary["dir"]) / "submission" / "MRPC.tsv"
+    assert collected.read_text() == (run_dir(fixture_model_dir / "model", grid(
+        ["MRPC"], lrs=[float(best["lr"])], batch_sizes=[2], checkpoint=0, epochs=2)[0]) / "submission" / "MRPC.tsv").read_text()
+    markdown = Path(summary["markdown"]).read_text()
+    assert "1 of the 11 files gluebenchmark.com expects" in markdown and "* missing CoLA.tsv (no finished CoLA run)" in markdown
     assert summary["best_per_task"] == {"MRPC": best} and summary["average"] == best["score"]
     assert summary["average_tasks"] == ["MRPC"] and summary["glue_average"] is None  # one task is not GLUE
-    assert "Average of the best per task over MRPC (1 of 9 GLUE tasks" in Path(summary["markdown"]).read_text()
+    assert "Average of the best per task over MRPC (1 of 9 GLUE tasks" in markdown
     assert Path(summary["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # A third configuration: only it runs; the finished two are skipped.
@@ -325,6 +332,61 @@ def test_a_test_file_with_a_bad_row_fails_the_run_and_a_rerun_redoes_only_the_su
     result = json.loads((out / "result.json").read_text())
     assert result["submission"] == [str(out / "submission" / "MRPC.tsv")] and result["submission_errors"] == []
     assert run_sweep(model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
+
+
+def test_an_absent_test_file_is_reported_and_a_rerun_writes_only_that_submission_once_it_is_there(shared_dir,
+                                                                                                   tmp_path):
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES / "MNLI", glue / "MNLI")  # no diagnostic/ yet: AX.tsv cannot be written
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
+    settings = FinetuneSettings(task="MNLI", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    messages = []
+    result = finetune(model_dir, settings, log=messages.append)
+    assert result["submission_missing"] == ["AX.tsv"] and result["submission_errors"] == []
+    assert any(m.startswith("no AX.tsv submission: no diagnostic (AX) file under") for m in messages)
+    out = run_dir(model_dir / "model", settings)
+    assert run_sweep(model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]  # still absent: finished
+
+    shutil.copytree(FIXTURES / "diagnostic", glue / "diagnostic")
+    trained = (out / "best.model").stat().st_mtime_ns
+    outcome = run_sweep(model_dir, [settings], log=messages.append)
+    assert outcome["ran"] == [settings.run_name]
+    assert any("lacks a file whose test file is there now; redoing only the submission" in m for m in messages)
+    assert (out / "best.model").stat().st_mtime_ns == trained
+    assert sorted(p.name for p in (out / "submission").iterdir()) == ["AX.tsv", "MNLI-m.tsv", "MNLI-mm.tsv"]
+    assert json.loads((out / "result.json").read_text())["submission_missing"] == []
+
+
+@pytest.mark.parametrize("broken", ["wrong header", "header only"])
+def test_a_test_file_that_is_there_but_unusable_fails_the_run(shared_dir, tmp_path, capsys, broken):
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES / "MRPC", glue / "MRPC")
+    test_file = glue / "MRPC" / "test.tsv"
+    lines = test_file.read_text().splitlines(keepends=True)
+    if broken == "wrong header":  # the raw msr_paraphrase_test.txt layout, not GLUE's
+        test_file.write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(lines[1:]))
+    else:
+        test_file.write_text(lines[0])
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
+    argv = ["--model-dir", str(model_dir), "--task", "MRPC", "--checkpoint", "0", "--lr", "1e-3", "--batch_size", "2",
+            "--epoch", "1", "--no-progress"]
+    assert run_glue_main(argv) == 2
+    err = capsys.readouterr().err
+    expected = "no column 'index' in the header" if broken == "wrong header" else "no rows after the header"
+    assert err.startswith("error: ") and expected in err and "MRPC.tsv not written" in err, err
+
+
+def test_a_diverged_checkpoint_gives_a_warning_and_no_submission_of_nan_predictions(fixture_model_dir):
+    cp = fixture_model_dir / "model" / "cp-0000.model"
+    state = torch.load(cp, weights_only=True)
+    state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"].fill_(float("nan"))
+    atomic.torch_save(cp, state)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=2, progress=False)
+    messages = []
+    with pytest.raises(SubmissionError, match=r"MRPC.tsv: the model's outputs are NaN or infinite for 2 of 2 test rows"):
+        finetune(fixture_model_dir, settings, log=messages.append)
+    assert any("no epoch has a finite dev score" in m for m in messages)
+    assert not (run_dir(fixture_model_dir / "model", settings) / "submission" / "MRPC.tsv").exists()
 
 
 def settings_from_args_for(argv):

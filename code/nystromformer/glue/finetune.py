@@ -35,9 +35,10 @@ from ..config import Config, ConfigError, load_config
 from ..model import NystromformerForSequenceClassification
 from ..tokenizer import load_tokenizer
 from .encoding import EncodedDataset, PadCollator
-from .metrics import combine_dev_metrics, split_metrics, task_score
+from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
 from .submission import format_predictions, write_submission
-from .tasks import Example, GlueDataError, Task, get_task, read_ax, find_ax, read_split
+from .tasks import (Example, GlueDataError, MissingGlueFile, Task, get_task, read_split, submission_source_exists,
+                    submission_sources)
 
 DEFAULT_SEED = 42
 # Subsets (--max-train-examples) are drawn with this seed, not the run's, so every configuration of a
@@ -129,9 +130,19 @@ def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[di
     return result
 
 
-def is_finished(result: Optional[dict]) -> bool:
-    """Trained and with every submission file written (a failed submission is redone by the next run)."""
-    return result is not None and not result.get("submission_errors")
+def is_finished(result: Optional[dict], glue_dir: Optional[Path] = None) -> bool:
+    """Trained and with every submission file written (a failed submission is redone by the next run), or
+    missing only for want of a test file that is still not in ``glue_dir`` (when given)."""
+    return result is not None and not submission_to_redo(result, glue_dir)
+
+
+def submission_to_redo(result: dict, glue_dir: Optional[Path]) -> bool:
+    """Whether a trained run's submission failed, or lacks a file whose test file has appeared since."""
+    if result.get("submission_errors"):
+        return True
+    missing = result.get("submission_missing", [])
+    return bool(missing) and glue_dir is not None and any(
+        submission_source_exists(glue_dir, get_task(result["task"]), name) for name in missing)
 
 
 def resolve_tokenizer(cfg: Config):
@@ -211,6 +222,8 @@ def evaluate(runner: Runner, task: Task, loaders: Dict[str, DataLoader], labels:
         outputs = runner.predict(loader)
         predictions = outputs if task.is_regression else outputs.argmax(axis=-1)
         per_split[split] = split_metrics(task.name, predictions, labels[split])
+        if not np.isfinite(outputs).all():  # argmax would turn NaN logits into class 0: a meaningless accuracy
+            per_split[split] = {name: float("nan") for name in per_split[split]}
     return combine_dev_metrics(per_split)
 
 
@@ -266,8 +279,9 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     out_dir = run_dir(checkpoint_dir, settings)
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
     previous = read_result(checkpoint_dir, settings)
-    if previous is not None and previous.get("submission_errors") and best_path.is_file():
-        log(f"{out_dir}: trained earlier, but its submission failed; redoing only the submission from {best_path}")
+    if previous is not None and submission_to_redo(previous, glue_dir) and best_path.is_file():
+        why = "failed" if previous.get("submission_errors") else "lacks a file whose test file is there now"
+        log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
         return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
                        previous, log)
     stored = _stored_result(checkpoint_dir, settings)
@@ -305,7 +319,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         entry = {"epoch": epoch, "train_loss": loss_sum / max(batches, 1), "dev": metrics,
                  "score": task_score(metrics), "lr": scheduler.get_last_lr()[0],
                  "elapsed_s": round(time.time() - start, 2)}
-        if best is None or entry["score"] > best["score"]:
+        if best is None or better_score(entry["score"], best["score"]):
             best = entry
             atomic.torch_save(best_path, {"model_state_dict": model.state_dict(), "task": task.name,
                                           "num_labels": task.num_labels, "epoch": epoch, "dev": metrics,
@@ -318,6 +332,9 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         log(f"{task.name} epoch {epoch}/{settings.epochs}: train loss {entry['train_loss']:.4f}, dev "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
+    if not math.isfinite(best["score"]):
+        log(f"warning: {task.name}: no epoch has a finite dev score (the model's outputs are NaN or infinite: a "
+            f"diverged checkpoint, or lower --lr)")
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
@@ -335,13 +352,15 @@ def _submit(runner: Runner, model: torch.nn.Module, task: Task, glue_dir: Path, 
             with_token_types: bool, settings: FinetuneSettings, out_dir: Path, result: dict, log) -> dict:
     """Predict the test files with the best weights and write result.json (also when a test file fails, so
     that a rerun redoes only this step); raises SubmissionError when a submission file could not be written."""
-    files, errors = [], []
+    files, errors, missing = [], [], []
     if settings.submission:
         weights = torch.load(out_dir / "best.model", map_location="cpu", weights_only=True)["model_state_dict"]
         model.load_state_dict(weights)
-        files, errors = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len, with_token_types,
-                                              settings.eval_batch_size, out_dir / "submission", log)
-    result = {**result, "submission": [str(p) for p in files], "submission_errors": errors}
+        files, errors, missing = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len,
+                                                       with_token_types, settings.eval_batch_size,
+                                                       out_dir / "submission", log)
+    result = {**result, "submission": [str(p) for p in files], "submission_errors": errors,
+              "submission_missing": missing}
     atomic.write_json(out_dir / "result.json", result)
     if errors:
         raise SubmissionError(f"{'; '.join(errors)}. The trained run is kept in {out_dir}: fix the file and rerun "
@@ -350,29 +369,41 @@ def _submit(runner: Runner, model: torch.nn.Module, task: Task, glue_dir: Path, 
 
 
 def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer, max_seq_len: int,
-                          with_token_types: bool, batch_size: int, out_dir: Path, log) -> Tuple[List[Path], List[str]]:
-    """Predict every test split of the task (and AX for MNLI); returns the files written and one error per file
-    that could not be (a test file with a malformed row). A missing test file is reported, not an error."""
-    splits = {name: (lambda name=name: read_split(glue_dir, task, name)) for name in task.test}
-    if task.name == "MNLI" and find_ax(glue_dir) is not None:
-        splits["AX.tsv"] = lambda: read_ax(glue_dir)
-    written, errors = [], []
+                          with_token_types: bool, batch_size: int,
+                          out_dir: Path, log) -> Tuple[List[Path], List[str], List[str]]:
+    """Predict every test split of the task (and AX for MNLI); returns the files written, one error per file that
+    could not be (a test file that is unreadable or has a malformed row, non-finite outputs) and the names of the
+    files whose test file is absent (reported, not an error: a rerun writes them once the test file is there)."""
+    written, errors, missing = [], [], []
     collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
-    for file_name, read in splits.items():
+    for file_name, read in submission_sources(glue_dir, task).items():
         try:
             result = read()
+        except MissingGlueFile as e:
+            log(f"no {file_name} submission: {e} (rerun the same command once it is there: it writes only that)")
+            missing.append(file_name)
+            continue
         except GlueDataError as e:
-            log(f"no {file_name} submission: {e}")
+            errors.append(f"{e}; {file_name} not written")
             continue
         if result.report():
             # The GLUE server rejects a file with missing indices: fail the run rather than write a bad file.
             errors.append(f"{result.report()}; {file_name} not written (the GLUE server needs every index)")
             continue
+        if not result.examples:
+            errors.append(f"{result.path}: no rows after the header; {file_name} not written")
+            continue
         loader = DataLoader(EncodedDataset(result.examples, tokenizer, max_seq_len, with_token_types),
                             batch_size=batch_size, collate_fn=collate)
-        predictions = format_predictions(task.labels, runner.predict(loader))
+        outputs = runner.predict(loader)
+        bad = int((~np.isfinite(outputs)).reshape(len(outputs), -1).any(axis=1).sum())
+        if bad:
+            errors.append(f"{file_name}: the model's outputs are NaN or infinite for {bad} of {len(outputs)} test "
+                          f"rows (a diverged run); not written")
+            continue
+        predictions = format_predictions(task.labels, outputs)
         write_submission(out_dir / file_name, [e.index for e in result.examples], predictions)
         written.append(out_dir / file_name)
     if written:
         log(f"wrote {', '.join(p.name for p in written)} to {out_dir}")
-    return written, errors
+    return written, errors, missing

@@ -49,3 +49,8 @@ def combine_dev_metrics(per_split: Dict[str, Dict[str, float]]) -> Dict[str, flo
 def task_score(metrics: Dict[str, float]) -> float:
     """The task's single GLUE score: the mean of its metrics."""
     return float(np.mean(list(metrics.values())))
+
+
+def better_score(score: float, best: float) -> bool:
+    """Whether ``score`` beats ``best``; a NaN score (a diverged model's outputs) is worse than any other."""
+    return not np.isnan(score) and (np.isnan(best) or score > best)

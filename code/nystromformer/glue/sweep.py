@@ -30,7 +30,8 @@ from .. import atomic
 from ..config import load_config
 from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, finetune, is_finished, read_result,
                        run_dir)
-from .tasks import TASKS
+from .metrics import better_score
+from .tasks import TASKS, submission_file_names
 
 PAPER_LRS = (2e-5, 3e-5, 4e-5, 5e-5)
 PAPER_BATCH_SIZES = (16, 32)
@@ -96,8 +97,9 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
     if any(shared_settings(s) != shared_settings(runs[0]) for s in runs):
         raise SettingsError(f"a sweep's runs must share every setting but {', '.join(GRID_AXES)} (its summary "
                             f"compares runs made alike); run one sweep per combination")
-    checkpoint_dir = load_config(model_dir).checkpoint_dir
-    pending = [s for s in runs if not is_finished(read_result(checkpoint_dir, s))]
+    cfg = load_config(model_dir)
+    checkpoint_dir, glue_dir = cfg.checkpoint_dir, cfg.glue_dir
+    pending = [s for s in runs if not is_finished(read_result(checkpoint_dir, s), glue_dir)]
     skipped = [s.run_name for s in runs if s not in pending]
     if skipped:
         log(f"skipping {len(skipped)} finished run(s): {', '.join(skipped)}")
@@ -132,7 +134,7 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
                 failed.append(settings.run_name)
                 log(f"FAILED {settings.run_name}: {type(e).__name__}: {e}")
 
-    summary = write_summary(checkpoint_dir, runs, log=log)
+    summary = write_summary(checkpoint_dir, runs, log=log, glue_dir=glue_dir)
     return {"summary": summary, "ran": [s.run_name for s in pending if s.run_name not in failed],
             "skipped": skipped, "failed": failed}
 
@@ -176,10 +178,11 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings,
     return sorted(found, key=lambda sr: (order.get(sr[0].task, len(order)), sr[0].lr, sr[0].batch_size))
 
 
-def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = print) -> dict:
+def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = print,
+                  glue_dir: Optional[Path] = None) -> dict:
     """summary.csv (one row per finished run made with the sweep's shared settings, whichever sweep ran it),
-    summary.md (that table, the best configuration of each task and the average of those) and dev_scores.png
-    (dev score per epoch).
+    summary.md (that table, the best configuration of each task and the average of those), dev_scores.png
+    (dev score per epoch) and submission/ (the best run's test predictions of each task, the leaderboard's files).
     The average is the GLUE average only when it covers every GLUE task; ``average_tasks`` says which it covers."""
     if not runs:
         raise SettingsError("the sweep has no runs (no tasks, learning rates or batch sizes given)")
@@ -188,12 +191,13 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     metric_names = sorted({m for _, r in results for m in r["best_metrics"]})
     rows = [{"task": s.task, "checkpoint": s.checkpoint, "lr": f"{s.lr:g}", "batch_size": s.batch_size,
              "epochs": s.epochs, "best_epoch": r["best_epoch"], "score": round(r["best_score"], 6),
-             **{m: round(r["best_metrics"][m], 6) for m in metric_names if m in r["best_metrics"]}}
+             **{m: round(r["best_metrics"][m], 6) for m in metric_names if m in r["best_metrics"]},
+             "run": s.run_name, "submission": " ".join(Path(f).name for f in r.get("submission", []) if Path(f).is_file())}
             for s, r in results]
 
     best_per_task: Dict[str, dict] = {}
     for row in rows:
-        if row["task"] not in best_per_task or row["score"] > best_per_task[row["task"]]["score"]:
+        if row["task"] not in best_per_task or better_score(row["score"], best_per_task[row["task"]]["score"]):
             best_per_task[row["task"]] = row
     # Tasks in GLUE's order; the average is over the tasks with a finished run.
     best_per_task = {t: best_per_task[t] for t in TASKS if t in best_per_task}
@@ -201,7 +205,8 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     complete = len(best_per_task) == len(TASKS)
     average_label = average_description(list(best_per_task))
 
-    columns = ["task", "checkpoint", "lr", "batch_size", "epochs", "best_epoch", "score", *metric_names]
+    columns = ["task", "checkpoint", "lr", "batch_size", "epochs", "best_epoch", "score", *metric_names, "run",
+               "submission"]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
@@ -225,16 +230,49 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     if average is not None:
         md += [f"**{average_label}**: {average * 100:.2f}", ""]
     md += ["## All configurations", "", *table(rows), ""]
+    md += collect_submission(checkpoint_dir, results, best_per_task, out / "submission")
     atomic.write_text(out / "summary.md", "\n".join(md))
 
     plot = _plot_dev_scores(results, out / "dev_scores.png") if results else None
-    unfinished = sum(not is_finished(read_result(checkpoint_dir, s)) for s in runs)
+    unfinished = sum(not is_finished(read_result(checkpoint_dir, s), glue_dir) for s in runs)
     log(f"sweep summary of {len(rows)} finished run(s) ({unfinished} of this sweep's {len(runs)} unfinished); "
         f"written to {out}")
     return {"dir": str(out), "csv": str(out / "summary.csv"), "markdown": str(out / "summary.md"),
             "plot": plot, "rows": rows, "settings": shared, "best_per_task": best_per_task, "average": average,
             "average_tasks": list(best_per_task), "average_label": average_label,
             "glue_average": average if complete else None}
+
+
+def collect_submission(checkpoint_dir: Path, results: List[tuple], best_per_task: Dict[str, dict],
+                       folder: Path) -> List[str]:
+    """Copy the best run's submission files of each task into ``folder`` (files of runs no longer best are
+    removed) and return summary.md's section saying which of the leaderboard's files are there and why others
+    are not."""
+    by_run = {s.run_name: r for s, r in results}
+    lines, lacking = [], []
+    for task in TASKS.values():
+        best = best_per_task.get(task.name)
+        produced = {Path(f).name: Path(f) for f in by_run[best["run"]].get("submission", [])} if best else {}
+        for name in submission_file_names(task):
+            target = folder / name
+            source = produced.get(name)
+            if source is not None and source.is_file():
+                atomic.write_text(target, source.read_text())
+                continue
+            target.unlink(missing_ok=True)
+            if best is None:
+                lacking.append(f"{name} (no finished {task.name} run)")
+            else:
+                why = ("made with --no-submission" if not by_run[best["run"]]["settings"].get("submission", True)
+                       else "its test file was absent or unusable: see its result.json")
+                lacking.append(f"{name} ({task.name}'s best run {best['run']}: {why})")
+    total = sum(len(submission_file_names(t)) for t in TASKS.values())
+    lines += ["## Leaderboard submission", "",
+              f"{folder}: the best run's test predictions of each task, {total - len(lacking)} of the {total} files "
+              f"gluebenchmark.com expects in one zip" + (":" if lacking else " (zip them: `cd submission && zip "
+                                                                              "../submission.zip *.tsv`)."), ""]
+    lines += [f"* missing {item}" for item in lacking] + ([""] if lacking else [])
+    return lines
 
 
 def average_description(tasks: List[str]) -> str:

@@ -11,7 +11,7 @@ import csv
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 # Some GLUE fields (MNLI parses) are longer than csv's default 128 KiB limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -19,6 +19,10 @@ csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 class GlueDataError(ValueError):
     """A GLUE file that is missing or unusable as a whole (not a single bad row)."""
+
+
+class MissingGlueFile(GlueDataError):
+    """The file is not there (as opposed to there but unreadable)."""
 
 
 @dataclass
@@ -150,7 +154,7 @@ def read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_lab
     """Read one GLUE file. ``labels`` maps label strings to ids; None means float scores (STS-B)."""
     path = Path(path)
     if not path.is_file():
-        raise GlueDataError(f"missing GLUE file {path}")
+        raise MissingGlueFile(f"missing GLUE file {path}")
     label_ids = {s: i for i, s in enumerate(labels)} if labels is not None else None
     result = ReadResult([], path)
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: some GLUE files start with a BOM
@@ -213,6 +217,24 @@ def read_split(glue_dir: Path, task: Task, split: str) -> ReadResult:
     raise GlueDataError(f"{task.name} has no split {split!r} (train, {', '.join(task.dev)}, {', '.join(task.test)})")
 
 
+def submission_file_names(task: Task) -> List[str]:
+    """The task's files in a leaderboard submission: MNLI-m.tsv, ..., and AX.tsv for MNLI (predicted with its
+    model)."""
+    return [*task.test, *(["AX.tsv"] if task.name == "MNLI" else [])]
+
+
+def submission_sources(glue_dir: Path, task: Task) -> Dict[str, Callable[[], ReadResult]]:
+    """Each of the task's submission files with the reader of its test file."""
+    return {name: (lambda name=name: read_ax(glue_dir) if name == "AX.tsv" else read_split(glue_dir, task, name))
+            for name in submission_file_names(task)}
+
+
+def submission_source_exists(glue_dir: Path, task: Task, submission_file: str) -> bool:
+    if submission_file == "AX.tsv":
+        return find_ax(glue_dir) is not None
+    return submission_file in task.test and (Path(glue_dir) / task.folder / task.test[submission_file][0]).is_file()
+
+
 def find_ax(glue_dir: Path) -> Optional[Path]:
     """The diagnostic set's file, wherever the common layouts put it; None when absent."""
     for rel in AX_FILES:
@@ -224,5 +246,5 @@ def find_ax(glue_dir: Path) -> Optional[Path]:
 def read_ax(glue_dir: Path) -> ReadResult:
     path = find_ax(glue_dir)
     if path is None:
-        raise GlueDataError(f"no diagnostic (AX) file under {glue_dir} (looked for {', '.join(AX_FILES)})")
+        raise MissingGlueFile(f"no diagnostic (AX) file under {glue_dir} (looked for {', '.join(AX_FILES)})")
     return read_tsv(path, AX_COLUMNS, TASKS["MNLI"].labels, with_labels=False)
