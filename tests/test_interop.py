@@ -331,3 +331,116 @@ def test_roberta_import_tiles_positions_and_leaves_the_conv_at_init(tmp_path):
     assert any("attention.attn.conv.weight" in line and "left at our initialisation" in line for line in logs)
     with pytest.raises(InteropError, match="multiple"):
         import_hf(src, tmp_path / "bad", overrides={"max_seq_len": 48, "num_landmarks": 8}, log=lambda s: None)
+
+
+def test_an_untied_decoder_is_refused_rather_than_silently_replaced_by_the_embeddings(tmp_path):
+    _, src = hf_nystromformer(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(InteropError, match=r"cls.predictions.decoder.weight differs from the word embeddings: .*"
+                                           r"tie_word_embeddings false"):
+        import_hf(src, tmp_path / "ours", log=lambda s: None)
+    assert not (tmp_path / "ours" / "imported").exists()
+
+
+def resave(src, dest, rename):
+    """A copy of a transformers folder with its weights as pytorch_model.bin, keys renamed (None drops one)."""
+    from safetensors.torch import load_file
+    dest.mkdir()
+    (dest / "config.json").write_text((src / "config.json").read_text())
+    state = {rename(k): v for k, v in load_file(str(src / "model.safetensors")).items() if rename(k) is not None}
+    torch.save(state, dest / "pytorch_model.bin")
+    return dest
+
+
+@pytest.mark.parametrize("damage", ["DDP prefix", "one layer's query missing"])
+def test_weights_that_leave_encoder_parameters_random_are_refused(tmp_path, damage):
+    _, src = hf_nystromformer(tmp_path)
+    if damage == "DDP prefix":
+        broken = resave(src, tmp_path / "bad", lambda k: "module." + k)
+        expected = r"are not in the transformers weights, .* its keys start with module\.: saved from a wrapped model"
+    else:
+        broken = resave(src, tmp_path / "bad", lambda k: None if "layer.1.attention.self.query" in k else k)
+        expected = (r"2 encoder weight\(s\) are not in the transformers weights, e.g. "
+                    r"nystromformer.encoder.layer.1.attention.self.query.weight")
+    with pytest.raises(InteropError, match=expected):
+        import_hf(broken, tmp_path / "ours", log=lambda s: None)
+
+
+def test_a_longer_max_seq_len_keeps_an_exact_attention_model_exact(tmp_path):
+    hf, src = hf_nystromformer(tmp_path, num_landmarks=SEQ, conv_kernel_size=1)  # transformers' exact path
+    logs = []
+    import_hf(src, tmp_path / "ours", overrides={"max_seq_len": 2 * SEQ}, log=logs.append)
+    model = load_imported(tmp_path / "ours")
+    assert model.config.max_seq_len == model.config.num_landmarks == 2 * SEQ
+    assert any("keeping it exact at max_seq_len 64" in line for line in logs)
+    import_hf(src, tmp_path / "nystrom", overrides={"max_seq_len": 2 * SEQ, "num_landmarks": 8}, log=lambda s: None)
+    assert load_imported(tmp_path / "nystrom").config.num_landmarks == 8  # asked for: Nystrom
+
+
+def test_import_into_a_pre_layer_norm_folder_gives_the_post_layer_norm_model_it_reads(tmp_path):
+    hf, src = hf_nystromformer(tmp_path)
+    folder = write_model_dir(tmp_path / "ours", tiny_config(pre_layer_norm=True))
+    logs = []
+    import_hf(src, folder, log=logs.append)
+    model = load_imported(folder)
+    assert not model.config.pre_layer_norm and any("pre_layer_norm false" in line for line in logs)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_export_uses_the_model_settings_the_checkpoint_was_trained_with(tmp_path):
+    model = ours(num_landmarks=8, conv_kernel_size=5)
+    folder = write_checkpoint(tmp_path, model, name="trained")
+    state = checkpoint.load(folder / "model" / "cp-0000.model")
+    state["config"] = load_config(folder).to_dict()  # pretraining stores its config in the checkpoint
+    atomic.torch_save(folder / "model" / "cp-0000.model", state)
+    changed = json.loads((folder / "config.json").read_text())
+    changed["model"]["conv_kernel_size"] = None  # edited after training
+    (folder / "config.json").write_text(json.dumps(changed))
+    logs = []
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
+    assert any("conv_kernel_size 5 instead of None); exporting it as trained" in line for line in logs)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(out)).eval()
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=ATOL, rtol=0)
+
+    del state["config"]  # an older checkpoint: config.json is all there is, and it does not fit
+    atomic.torch_save(folder / "model" / "cp-0000.model", state)
+    with pytest.raises(InteropError, match=r"cp-0000.model: encoder.layers.0.attention.attn.conv.weight: not in the "
+                                           r"model; the model settings .*conv_kernel_size None.* do not describe"):
+        export_hf(load_config(folder), tmp_path / "hf2", epoch=0, log=lambda s: None)
+
+
+def test_unreadable_transformers_folders_are_errors_naming_the_file(tmp_path, capsys):
+    _, src = hf_nystromformer(tmp_path)
+    (src / "model.safetensors").write_bytes(b"\xff" * 64)
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["import-hf", "--input", str(src), "--model-dir", str(tmp_path / "ours")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {src / 'model.safetensors'}: unreadable weights")
+    _, src = hf_nystromformer(tmp_path / "2")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["hidden_size"], cfg["model_type"]  # no model_type: no transformers defaults to fall back on
+    (src / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    assert main(["import-hf", "--input", str(src), "--model-dir", str(tmp_path / "ours")]) == 2
+    assert "config.json: no hidden_size" in capsys.readouterr().err
+
+
+def test_sharded_pytorch_model_bin_folders_import(tmp_path):
+    hf, src = hf_nystromformer(tmp_path)
+    from safetensors.torch import load_file
+    state = load_file(str(src / "model.safetensors"))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((src / "config.json").read_text())
+    keys = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, part in halves.items():
+        torch.save({k: state[k] for k in part}, sharded / name)
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, part in halves.items() for k in part}}))
+    import_hf(sharded, tmp_path / "ours", log=lambda s: None)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(load_imported(tmp_path / "ours").logits(ids), hf(ids).logits, atol=ATOL, rtol=0)

@@ -38,10 +38,12 @@ def test_masked_positions_found_by_the_caller_give_the_same_loss_and_gradients_a
         model.zero_grad()
         out = model(ids, labels, masked_positions=positions)
         out.loss.backward()
-        results.append((out.loss_sum, out.num_masked, out.num_correct, model.encoder.embeddings.word_embeddings.weight.grad))
+        embedding_grad = model.encoder.embeddings.word_embeddings.weight.grad
+        results.append((out.loss_sum, out.num_masked, out.num_correct, embedding_grad))
     for given, found in zip(*results):
         assert torch.equal(given, found)
-    assert masked_positions_of(labels).tolist() == [i for i, label in enumerate(labels.view(-1)) if label != IGNORE_INDEX]
+    labelled = [i for i, label in enumerate(labels.view(-1)) if label != IGNORE_INDEX]
+    assert masked_positions_of(labels).tolist() == labelled
 
 
 def test_mlm_decoder_is_tied_to_the_word_embeddings():

@@ -92,11 +92,13 @@ def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_check
             events.append(name(*args))
             return original(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(NystromformerForMaskedLM, "forward", record(lambda *a: "queue", NystromformerForMaskedLM.forward))
-    monkeypatch.setattr(NonFiniteLosses, "check", record(lambda self, loss, step: f"read {step}", NonFiniteLosses.check))
+    forward, check = NystromformerForMaskedLM.forward, NonFiniteLosses.check
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", record(lambda *a: "queue", forward))
+    monkeypatch.setattr(NonFiniteLosses, "check", record(lambda self, loss, step: f"read {step}", check))
     for save in ("save_epoch", "save_preempted"):
         monkeypatch.setattr(checkpoint, save, record(lambda *a, save=save: save, getattr(checkpoint, save)))
-    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 3, "epoch": 2, "validate_batches_per_epoch": 0},
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 3, "epoch": 2,
+                                                      "validate_batches_per_epoch": 0},
                        gpu_setting={"inst_per_gpu": 16})
     assert run(folder, stop_at_step=5) == PREEMPTED_EXIT_CODE
     assert events == ["queue", "queue", "read 1", "queue", "read 2", "read 3", "save_epoch",

@@ -25,12 +25,15 @@ import torch
 from . import atomic, checkpoint
 from .cli import add_subcommand
 from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config
-from .model import POSITION_OFFSET, NystromformerForMaskedLM
+from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
 
 PathLike = Union[str, Path]
 # transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.
 HF_PINV_ITERATIONS = 6
 IMPORTED_WEIGHTS = "imported/hf-import.model"
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, in a state dict saved from the wrapper
+HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
+                    "max_position_embeddings")
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json")
 
@@ -128,7 +131,7 @@ def check_exportable(mc: ModelConfig) -> List[str]:
     if not exact:
         notes.append(f"transformers' Nystrom path accepts only unpadded inputs of exactly {mc.max_seq_len} "
                      f"tokens (segment_means_seq_len); shorter inputs crash or mix batch rows, padding masks "
-                     f"crash (see docs/interop.md)")
+                     f"crash, and it runs only in fp32 (bf16/fp16 raise a dtype error; see docs/interop.md)")
     return notes
 
 
@@ -226,6 +229,41 @@ def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tens
     return state, mc, int(state["classifier.out_proj.weight"].shape[0])
 
 
+def _trained_model_config(saved: dict, cfg: Config, source: Path, log) -> ModelConfig:
+    """The model settings a checkpoint was trained with (stored in it since pretraining records its config),
+    else config.json's."""
+    stored = (saved.get("config") or {}).get("model") if isinstance(saved.get("config"), dict) else None
+    if not isinstance(stored, dict):
+        return cfg.model
+    try:
+        trained = config_from_dict({"model": stored}).model
+    except ConfigError:
+        return cfg.model
+    differ = [f.name for f in dataclasses.fields(ModelConfig) if getattr(trained, f.name) != getattr(cfg.model, f.name)]
+    if differ:
+        log(f"note: {source.name} was trained with other model settings than config.json now has ("
+            + ", ".join(f"{k} {getattr(trained, k)!r} instead of {getattr(cfg.model, k)!r}" for k in differ)
+            + "); exporting it as trained")
+    return trained
+
+
+def _check_weights_fit(state: Dict[str, torch.Tensor], mc: ModelConfig, num_labels: Optional[int],
+                       source: Path) -> None:
+    """Refuse, naming the first weight, a checkpoint that the model settings do not describe (rather than export
+    a model that computes something else)."""
+    model = (NystromformerForMaskedLM(mc) if num_labels is None
+             else NystromformerForSequenceClassification(mc, num_labels))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    for key in sorted(expected.keys() | found.keys()):
+        if expected.get(key) != found.get(key):
+            what = ("not in the checkpoint" if key not in found else "not in the model" if key not in expected
+                    else f"shape {found[key]} in the checkpoint, {expected[key]} in the model")
+            raise InteropError(f"{source}: {key}: {what}; the model settings (max_seq_len {mc.max_seq_len}, "
+                               f"conv_kernel_size {mc.conv_kernel_size}, vocab_size {mc.vocab_size}, num_layers "
+                               f"{mc.num_layers}...) do not describe this checkpoint")
+
+
 def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_weights: Optional[PathLike] = None,
               num_labels: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
     """Write a folder that ``transformers.AutoModelFor...from_pretrained`` loads: config.json, safetensors
@@ -241,12 +279,16 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         if epoch is None:
             raise InteropError("give --checkpoint N (cp-N.model) or --glue-weights PATH")
         source = checkpoint.find_model(cfg.checkpoint_dir, epoch)
-        state, mc, num_labels = checkpoint.load(source)["model_state_dict"], cfg.model, None
+        saved = checkpoint.load(source)
+        state, mc, num_labels = saved["model_state_dict"], _trained_model_config(saved, cfg, source, log), None
+    if output.exists() and not output.is_dir():
+        raise InteropError(f"--output {output}: is a file; give a folder to write")
+    _check_weights_fit(state, mc, num_labels, source)
     for note in check_exportable(mc):
         log(f"note: {note}")
     model = build_hf_model(mc, state, num_labels, _special_tokens(cfg))
     output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(output), safe_serialization=True)
+    model.save_pretrained(str(output))  # safetensors
     tok_dir = resolve_tokenizer_dir(cfg)
     if tok_dir is None:
         log("warning: no tokenizer found (config.json 'tokenizer' or the data folder's meta.json): exported "
@@ -267,26 +309,58 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
 # ---------------------------------------------------------------------------------------------------------
 # Import
 def read_hf_folder(folder: PathLike) -> Tuple[dict, Dict[str, torch.Tensor]]:
-    """(config.json dict, state dict) of a transformers model folder: safetensors (single or sharded) or
-    pytorch_model.bin, read without instantiating the model."""
+    """(config.json dict, state dict) of a transformers model folder: safetensors or pytorch_model.bin, single or
+    sharded, read without instantiating the model. Keys the config.json leaves out take transformers' defaults
+    for its model_type, as from_pretrained would."""
     folder = Path(folder)
+    if not folder.is_dir():
+        raise InteropError(f"{folder}: not a folder (give a transformers model folder)")
     if not (folder / "config.json").is_file():
         raise InteropError(f"{folder}: no config.json (is it a transformers model folder?)")
-    hf_cfg = json.loads((folder / "config.json").read_text())
+    try:
+        hf_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InteropError(f"{folder / 'config.json'}: unreadable ({e})") from None
+    if not isinstance(hf_cfg, dict):
+        raise InteropError(f"{folder / 'config.json'}: not a JSON object")
+    hf_cfg = {**_transformers_defaults(hf_cfg.get("model_type")), **hf_cfg}
+    missing = [k for k in HF_REQUIRED_KEYS if k not in hf_cfg]
+    if missing:
+        raise InteropError(f"{folder / 'config.json'}: no {', '.join(missing)}")
+
+    def load(file: Path) -> Dict[str, torch.Tensor]:
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # safetensors' own error type, pickle's, OSError...: name the file
+            raise InteropError(f"{file}: unreadable weights ({type(e).__name__}: {e})") from None
+
     state: Dict[str, torch.Tensor] = {}
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        state = load_file(str(folder / "model.safetensors"))
-    elif (folder / "model.safetensors.index.json").is_file():
-        from safetensors.torch import load_file
-        index = json.loads((folder / "model.safetensors.index.json").read_text())
-        for shard in sorted(set(index["weight_map"].values())):
-            state.update(load_file(str(folder / shard)))
-    elif (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise InteropError(f"{folder}: no model.safetensors or pytorch_model.bin")
-    return hf_cfg, state
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / single).is_file():
+            return hf_cfg, load(folder / single)
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                raise InteropError(f"{folder / index}: unreadable shard index ({e})") from None
+            for shard in shards:
+                state.update(load(folder / shard))
+            return hf_cfg, state
+    raise InteropError(f"{folder}: no model.safetensors or pytorch_model.bin (single or sharded)")
+
+
+def _transformers_defaults(model_type) -> dict:
+    """transformers' default config values for ``model_type`` (empty for an unknown type)."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(model_type).to_dict()
+    except (ValueError, TypeError):
+        return {}
 
 
 def _check_activation(hf_cfg: dict, log) -> None:
@@ -336,7 +410,8 @@ def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match
         num_head=heads, head_dim=hidden // heads, attn_type="nystrom", num_landmarks=num_landmarks,
         conv_kernel_size=kernel, inv_coeff_init_option="exact" if hf_cfg.get("inv_coeff_init_option") else "original",
         pinv_iterations=HF_PINV_ITERATIONS, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
-        pad_token_id=hf_cfg.get("pad_token_id", 1) if hf_cfg.get("pad_token_id") is not None else 1)
+        pad_token_id=hf_cfg.get("pad_token_id", 1) if hf_cfg.get("pad_token_id") is not None else 1,
+        pre_layer_norm=False)  # transformers' Nystromformer is post-LayerNorm
 
 
 def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[str], None] = print) -> ModelConfig:
@@ -349,7 +424,7 @@ def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[st
         embedding_dim=hidden, transformer_dim=hidden, transformer_hidden_dim=hf_cfg["intermediate_size"],
         num_layers=hf_cfg["num_hidden_layers"], dropout_prob=hf_cfg.get("hidden_dropout_prob", 0.1),
         num_head=heads, head_dim=hidden // heads, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
-        pad_token_id=hf_cfg.get("pad_token_id", 1))
+        pad_token_id=hf_cfg.get("pad_token_id", 1), pre_layer_norm=False)  # RoBERTa is post-LayerNorm
 
 
 def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, family: str,
@@ -358,16 +433,19 @@ def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, famil
     (reported). A zero 1x1 conv (our export of "no conv") is dropped when ``mc`` has no conv."""
     model = NystromformerForMaskedLM(mc)
     own = model.state_dict()
+    raw_keys = list(hf_state)
     # A bare NystromformerModel/RobertaModel is saved without the family prefix.
     if not any(k.startswith(f"{family}.") for k in hf_state):
         hf_state = {f"{family}.{k}" if not k.startswith(("cls.", "lm_head.", "classifier.")) else k: v
                     for k, v in hf_state.items()}
-    out, missing, used = {}, [], set()
+    _check_tied_decoder(hf_state, family)
+    out, missing, unmapped, used = {}, [], [], set()
     for k, v in own.items():
         try:
             name = hf_key(k, family)
         except InteropError:  # a parameter of another attention type (e.g. Linformer's projections)
             name = None
+            unmapped.append(k)
         if name in hf_state:
             w = hf_state[name]
             if k == checkpoint.POSITION_KEY and w.shape[0] > v.shape[0]:
@@ -385,11 +463,37 @@ def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, famil
               and not k.startswith(("cls.predictions.decoder.", "lm_head.decoder."))]
     dropped_conv = [k for k in unused if k.endswith("attention.self.conv.weight") and not hf_state[k].any()]
     unused = [k for k in unused if k not in dropped_conv]
-    if missing:
-        log(f"not in the transformers weights (left at our initialisation): {', '.join(missing)}")
+    # Only what transformers' model lacks may stay at our initialisation: the MLM head of a bare or classification
+    # model, RoBERTa's conv, another attention type's parameters. A missing encoder weight means other weights.
+    expected_missing = [k for k in missing if k in unmapped or k.startswith("mlm_head.")
+                        or (family == "roberta" and ".attention.attn." in k)]
+    lost = [k for k in missing if k not in expected_missing]
+    if lost:
+        wrapped = sorted({p for k in raw_keys for p in WRAPPER_PREFIXES if k.startswith(p)})
+        raise InteropError(
+            f"{len(lost)} encoder weight(s) are not in the transformers weights, e.g. {hf_key(lost[0], family)} "
+            f"(for our {lost[0]}): importing would leave them random"
+            + (f"; its keys start with {' and '.join(wrapped)}: saved from a wrapped model (DDP, torch.compile) "
+               f"rather than with save_pretrained" if wrapped else ""))
+    if expected_missing:
+        log(f"warning: not in the transformers weights (left at our initialisation): {', '.join(expected_missing)}")
     if unused:
         log(f"transformers weights not used: {', '.join(unused)}")
     return out
+
+
+def _check_tied_decoder(hf_state: Dict[str, torch.Tensor], family: str) -> None:
+    """Our MLM decoder is the word embeddings (and the head's bias): refuse a checkpoint whose decoder is not."""
+    head = "cls.predictions" if family == "nystromformer" else "lm_head"
+    embeddings = hf_state.get(f"{family}.embeddings.word_embeddings.weight",
+                              hf_state.get("embeddings.word_embeddings.weight"))
+    pairs = ((f"{head}.decoder.weight", embeddings, "the word embeddings"),
+             (f"{head}.decoder.bias", hf_state.get(f"{head}.bias"), f"{head}.bias"))
+    for name, tied, what in pairs:
+        decoder = hf_state.get(name)
+        if decoder is not None and tied is not None and not torch.equal(decoder, tied):
+            raise InteropError(f"{name} differs from {what}: the checkpoint was trained with tie_word_embeddings "
+                               f"false, and our MLM head shares the word embeddings (it would be another model)")
 
 
 def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool = False,
@@ -397,17 +501,29 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     """Write ``<model_dir>/imported/hf-import.model`` from a transformers Nyströmformer or RoBERTa folder, and
     config.json with the model section and ``from_cp`` pointing at it (other keys kept or defaulted)."""
     model_dir = Path(model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise InteropError(f"--model-dir {model_dir}: is a file, not a model folder")
     hf_cfg, hf_state = read_hf_folder(input_dir)
     family = hf_cfg.get("model_type")
     existing = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
     base_cfg = config_from_dict({**existing, "model": {**existing.get("model", {}), **(overrides or {})}}, model_dir)
+    if base_cfg.model.pre_layer_norm:
+        log(f"note: {model_dir / 'config.json'} has model.pre_layer_norm true; the imported weights are of a "
+            f"post-LayerNorm model: importing with pre_layer_norm false")
     if family == "nystromformer":
         mc = model_config_from_hf(hf_cfg, base_cfg.model, match_transformers, log)
         convs = [v for k, v in hf_state.items() if k.endswith("attention.self.conv.weight")]
         if mc.conv_kernel_size == 1 and convs and not any(c.any() for c in convs):
             mc = dataclasses.replace(mc, conv_kernel_size=None)  # our export of "no conv"
         # explicit flags win over the transformers config (e.g. a different attention for continued training)
+        exact = mc.num_landmarks >= mc.max_seq_len
         mc = dataclasses.replace(mc, **(overrides or {}))
+        if exact and "num_landmarks" not in (overrides or {}) and mc.num_landmarks < mc.max_seq_len:
+            # A longer max_seq_len alone must not turn exact attention into Nystrom with that many landmarks.
+            log(f"note: the transformers model computes exact softmax attention (num_landmarks == "
+                f"segment_means_seq_len); keeping it exact at max_seq_len {mc.max_seq_len} (num_landmarks "
+                f"{mc.max_seq_len}); give --num-landmarks for Nystrom attention")
+            mc = dataclasses.replace(mc, num_landmarks=mc.max_seq_len)
     elif family in ("roberta", "xlm-roberta"):
         family = "roberta"
         mc = model_config_from_roberta(hf_cfg, base_cfg.model, log)

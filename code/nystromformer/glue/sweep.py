@@ -192,7 +192,8 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     rows = [{"task": s.task, "checkpoint": s.checkpoint, "lr": f"{s.lr:g}", "batch_size": s.batch_size,
              "epochs": s.epochs, "best_epoch": r["best_epoch"], "score": round(r["best_score"], 6),
              **{m: round(r["best_metrics"][m], 6) for m in metric_names if m in r["best_metrics"]},
-             "run": s.run_name, "submission": " ".join(Path(f).name for f in r.get("submission", []) if Path(f).is_file())}
+             "run": s.run_name,
+             "submission": " ".join(Path(f).name for f in r.get("submission", []) if Path(f).is_file())}
             for s, r in results]
 
     best_per_task: Dict[str, dict] = {}
