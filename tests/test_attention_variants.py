@@ -139,6 +139,30 @@ def test_performer_redraws_every_n_training_forwards():
                                atol=1e-10, rtol=0)
 
 
+def test_performer_random_features_are_unbiased():
+    # Rows are N(0, I) marginally (orthogonal within a block), so E[φ(q)ᵀφ(k)] = exp(q·k): averaged over draws,
+    # the estimate converges to the kernel (QR without its sign fix gives a first row that always points one way).
+    from nystromformer.attention.performer import orthogonal_gaussian
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([orthogonal_gaussian(D, D, generator=g, dtype=torch.float64) for _ in range(4000)])
+    assert draws.mean(0).abs().max() < 0.1  # each entry ~ N(0, 1): standard error 0.016
+    x, y = 0.8 * torch.randn(2, D, generator=g, dtype=torch.float64) / D ** 0.5  # norms ~0.8: a light-tailed estimate
+    def phi(z, w):  # positive_features without its stabiliser and eps (which cancel or vanish in attention)
+        return torch.exp(w @ z - 0.5 * z @ z) / w.shape[0] ** 0.5
+    mean = torch.stack([phi(x, w) @ phi(y, w) for w in draws]).mean()
+    assert abs(mean / torch.exp(x @ y) - 1) < 0.02, (mean, torch.exp(x @ y))
+
+
+def test_performer_row_of_only_padding_stays_finite():
+    attn = build_attention(cfg("performer")).double()
+    q, k, v = (t.requires_grad_() for t in qkv())
+    mask = padded_mask()
+    mask[0] = 0
+    out = attn(q, k, v, mask)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_longformer_equals_softmax_for_wide_window_and_band_pattern_otherwise():
     q, k, v = qkv()
     mask = padded_mask()
@@ -187,18 +211,18 @@ def test_linformer_identity_projection_is_softmax_and_sharing_shapes():
     # Shorter inputs use the first n columns of E and F.
     q, k, v = qkv(10)
     ones = torch.ones(B, 10, dtype=torch.long)
-    expected = torch.softmax(q @ torch.cat([k, torch.zeros(B, H, n - 10, D, dtype=k.dtype)], 2).transpose(-1, -2)
-                             / math.sqrt(D), -1)[..., :10] @ v
-    expected = expected  # keys beyond n project to zero keys: they take softmax mass exp(0) on zero values
-    scores = q @ k.transpose(-1, -2) / math.sqrt(D)
-    denom = scores.exp().sum(-1, keepdim=True) + (n - 10)
-    torch.testing.assert_close(attn(q, k, v, ones), (scores.exp() / denom) @ v)
-    # Padding is not excluded from the softmax (pinned): it dilutes like the zero keys above.
+    # Rows of E beyond the 10 columns used project to zero keys (with zero values): softmax weight exp(0) each.
+    zero_keys = torch.zeros(B, H, n - 10, D, dtype=k.dtype)
+    expected = torch.softmax(q @ torch.cat([k, zero_keys], 2).transpose(-1, -2) / math.sqrt(D), -1)[..., :10] @ v
+    torch.testing.assert_close(attn(q, k, v, ones), expected)
+    # Padding is exact: padded positions add nothing to the projections, so a padded row's real tokens get the
+    # output of the same row unpadded (E, F sliced to its length) — zero keys included, as above: Linformer is not
+    # a masked softmax over tokens.
     mask = padded_mask(n, real=(n, 20))
     q, k, v = qkv(n)
     out = attn(q, k, v, mask)
-    masked_softmax = dense_softmax(q, k, v, mask.bool()[:, None, None, :])
-    assert not torch.allclose(out[1, :, :20], masked_softmax[1, :, :20])
+    unpadded = attn(q[1:, :, :20], k[1:, :, :20], v[1:, :, :20], torch.ones(1, 20, dtype=torch.long))
+    torch.testing.assert_close(out[1:, :, :20], unpadded)
     for sharing, shape_e, has_f in (("none", (H, 8, 32), True), ("headwise", (1, 8, 32), True), ("kv", (1, 8, 32), False)):
         a = build_attention(cfg("linformer", linformer_sharing=sharing))
         assert tuple(a.proj.E.shape) == shape_e and (a.proj.F is not None) == has_f

@@ -18,9 +18,11 @@ EPS = 1e-6
 
 
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float = EPS) -> torch.Tensor:
-    """φ(Q)(φ(K)ᵀV) / φ(Q)(φ(K)ᵀ1) with non-negative feature maps already applied (padded φ(k) zeroed)."""
+    """φ(Q)(φ(K)ᵀV) / φ(Q)(φ(K)ᵀ1) with non-negative feature maps already applied (padded φ(k) zeroed). A row
+    whose keys are all padding has a zero normaliser: its output is 0 (not 0/0), with finite gradients."""
     kv = phi_k.transpose(-1, -2) @ v                      # (..., m, d_v)
     normaliser = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)  # (..., n, 1)
+    normaliser = torch.where(normaliser > 0, normaliser, torch.ones_like(normaliser))
     return (phi_q @ kv) / (normaliser + eps)
 
 

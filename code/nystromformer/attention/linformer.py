@@ -7,10 +7,10 @@ shared by all heads; ``"kv"`` — one E = F for keys and values of all heads. Li
 sharing (one projection for all layers) is not offered: each layer builds its own attention module.
 Initialisation N(0, 0.02²), as the Nyströmformer authors' LRA code.
 
-Padding: padded keys and values are zeroed before the projection, so the *contents* of padded positions
-never change real outputs. They are not excluded from the softmax, though: the projected keys are
-mixtures, so padding adds zero-key columns' weight mass (it dilutes) — inherent to projecting along the
-sequence. Time O(n k d), memory O(n k).
+Padding: padded keys and values are zeroed before the projection, so they add nothing to the projected keys
+and values: a padded row's real tokens get exactly the unpadded row's output (E, F sliced to its length). The
+softmax is over the k projected keys, not over tokens (a row of E that sees no real token gives a zero key of
+weight exp(0)). Time O(n k d), memory O(n k).
 """
 from __future__ import annotations
 

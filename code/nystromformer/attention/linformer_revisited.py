@@ -11,7 +11,7 @@ Each row of A and each column of B sums to 1, so every output row is a convex co
 of V̂ — a normalised attention over the k projected values, computed without any n × n or n × k matrix
 (the "efficient attention" factorisation applied to Linformer's projected keys/values). E, F and
 ``linformer_sharing`` / ``linformer_k`` are shared with ``linformer``. Padding behaves as Linformer's:
-padded contents never change real outputs, but padding dilutes the projections.
+exact (a padded row's real tokens get the unpadded row's output).
 """
 from __future__ import annotations
 

@@ -6,10 +6,12 @@ With x scaled by d^-1/4 (so q·k carries the usual 1/√d), the positive random 
 
 give E[φ(q)ᵀφ(k)] = exp(q·k), so softmax attention is estimated by linear attention with φ
 (``linear.linear_attention``). Orthogonal blocks come from the QR factorisation of Gaussian matrices,
-each row rescaled to the norm of an independent Gaussian vector (so marginals stay N(0, I)).
+with the signs of R's diagonal folded in (so Q is Haar-distributed; the authors' code leaves them out, which biases
+the estimate), each row rescaled to the norm of an independent Gaussian vector (so marginals stay N(0, I)).
 As in the authors' code, a stabiliser is subtracted inside the exponent: the per-row max for queries and
 the max over (real) keys for keys; both cancel in the normalisation. A small constant (1e-6) is added to
-each feature as in the authors' code, so the normaliser is never zero.
+each feature as in the authors' code, so the normaliser is never zero — except for a row whose keys are all
+padding, whose output is 0.
 
 Feature redraw: the projection is a buffer (saved in checkpoints) redrawn every
 ``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws.
@@ -32,8 +34,10 @@ def orthogonal_gaussian(num_features: int, dim: int, generator=None, dtype=torch
     blocks = []
     for _ in range(math.ceil(num_features / dim)):
         g = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        qmat, _ = torch.linalg.qr(g)
-        blocks.append(qmat.T)
+        qmat, r = torch.linalg.qr(g)
+        # QR fixes the signs of R's diagonal, which biases Q (its first column always points one way): flipping
+        # columns to R's signs makes Q Haar-distributed, so each row is a uniformly random direction.
+        blocks.append((qmat * torch.sign(torch.diagonal(r))).T)
     w = torch.cat(blocks, dim=0)[:num_features]
     norms = torch.randn(num_features, dim, generator=generator, dtype=torch.float64).norm(dim=-1)
     return (w * norms[:, None]).to(dtype)
@@ -46,7 +50,8 @@ def positive_features(x: torch.Tensor, w: torch.Tensor, is_query: bool, key_keep
         stab = proj.amax(dim=-1, keepdim=True)
     else:
         masked = proj if key_keep is None else proj.masked_fill(key_keep == 0, float("-inf"))
-        stab = masked.amax(dim=(-1, -2), keepdim=True).clamp_min(-1e30)  # all-padding: no -inf
+        stab = masked.amax(dim=(-1, -2), keepdim=True)
+        stab = torch.where(torch.isfinite(stab), stab, torch.zeros_like(stab))  # all padding: no key, no -inf
     stab = stab.detach()
     return (torch.exp(proj - stab) + FEATURE_EPS) / math.sqrt(w.shape[0])
 

@@ -2,7 +2,8 @@
 
     nystromformer listops-generate --out data/listops            # 96k/2k/2k at LRA settings, seeded
     nystromformer listops-train --data data/listops --out results/listops          # paper scale (GPU)
-    nystromformer listops-train --generate --train-size 2000 --max-length 200 ... # reduced, e.g. CPU
+    nystromformer listops-train --generate --train-size 2000 --max-depth 6 --min-length 64 --gen-max-length 256 \
+        --max-length 256 ...                                                     # reduced, e.g. CPU
 
 ``--data`` takes a folder with ``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv`` (the LRA
 release's ``listops-1000`` folder, or one written by ``listops-generate``).
@@ -30,8 +31,10 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-size", type=int, default=2000)
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--max-args", type=int, default=10)
-    p.add_argument("--min-length", type=int, default=500, help="fewest tokens of a generated expression")
-    p.add_argument("--gen-max-length", type=int, default=2000, help="most tokens of a generated expression")
+    p.add_argument("--min-length", type=int, default=501,
+                   help="fewest tokens of a generated expression (default: LRA's 500 < L)")
+    p.add_argument("--gen-max-length", type=int, default=1999,
+                   help="most tokens of a generated expression (default: LRA's L < 2000)")
     p.add_argument("--data-seed", type=int, default=0)
 
 

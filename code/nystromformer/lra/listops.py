@@ -3,8 +3,8 @@
 The generator follows LRA's ``listops.py``: operators MAX, MIN, MED (median, truncated to an int as
 ``int(np.median(...))``) and SM (sum mod 10) over digits 0-9; a node below ``max_depth`` is an operator
 with probability 0.25 (else a digit), an operator takes 2..``max_args`` arguments, the root is always an
-operator; trees are drawn until their token count lies in [min_length, max_length] (LRA: 500 < L < 2000,
-depth 10, 10 args) and duplicates are dropped (so the splits, cut in order from one seeded stream, are disjoint). As in LRA, ``max_depth`` counts the digit level: the
+operator; trees are drawn until their token count lies in [min_length, max_length] (defaults 501 and 1999:
+LRA's 500 < L < 2000; depth 10, 10 args) and duplicates are dropped (so the splits, cut in order from one seeded stream, are disjoint). As in LRA, ``max_depth`` counts the digit level: the
 root is at depth 1 and only digits sit at depth ``max_depth``, so operators nest at most max_depth − 1 deep.
 
 Text format: LRA's TSV has a ``Source\\tTarget`` header; sources are space-separated tokens such as
@@ -79,8 +79,8 @@ def tree_depth(t: Tree) -> int:
     return 0 if isinstance(t, int) else 1 + max(tree_depth(a) for a in t[1])
 
 
-def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 10, min_length: int = 500,
-             max_length: int = 2000, max_tries: int = 10_000_000) -> List[Tuple[str, int]]:
+def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 10, min_length: int = 501,
+             max_length: int = 1999, max_tries: int = 10_000_000) -> List[Tuple[str, int]]:
     """``num_samples`` distinct (source, label) pairs with min_length ≤ tokens ≤ max_length."""
     rng = random.Random(seed)
     seen, out = set(), []
