@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
+#   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
 #   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
@@ -36,7 +37,7 @@ limited() {
   if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
   timeout "$(( left < limit ? left : limit ))" "$@"
 }
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention model compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention model loop compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -78,6 +79,13 @@ stage_model() {
   limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
     hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
   grep -h -A10 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
+}
+
+stage_loop() {
+  # `nystromformer pretrain` itself against the bare step: what the loop (data, masking, logging, syncs) costs.
+  local d=$RESULTS/loop; mkdir -p "$d"
+  limited "$python" bench/pretrain_loop.py --seq-len 512 --batch 32 | tee "$d/loop-512.md" | grep -A5 '^# pretraining'
+  limited "$python" bench/pretrain_loop.py --seq-len 4096 --batch 4 | tee "$d/loop-4096.md" | grep -A5 '^# pretraining'
 }
 
 stage_compile() {

@@ -60,3 +60,13 @@ def test_pinv_precision_shows_tf32_products_within_bf16_rounding_and_bf16_produc
     assert [r[0] for r in rows] == ["1", "4"]
     for scale, cond, z_tf32, z_bf16, z_mix, out_tf32, out_bf16, out_mix, bf16_once in rows:
         assert float(out_tf32) < float(bf16_once) < float(out_bf16)
+
+
+def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
+    lines = run_script("bench/pretrain_loop.py", "--device", "cpu", "--seq-len", "32", "--batch", "2", "--layers", "1",
+                       "--steps", "2", "--warmup", "1")
+    rows = table_rows(lines)
+    assert [r[0] for r in rows] == ["nystrom", "softmax"]
+    for name, loop, bare, ratio, loop_x, bare_x in rows:
+        assert float(loop) > 0 and float(bare) > 0 and float(ratio) > 0
+    assert rows[1][4:] == ["1.00", "1.00"]
