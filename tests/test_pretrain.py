@@ -1,5 +1,6 @@
 """Pretraining: learning, exact resume, checkpoint fallback, from_cp warm starts, DDP equivalence."""
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -547,6 +548,32 @@ def test_with_loss_scaling_only_a_run_of_non_finite_losses_is_a_divergence(tmp_p
     assert not unscaled.check(1.0, 1)
     with pytest.raises(TrainingDiverged, match="the training loss is inf at step 2"):
         unscaled.check(float("inf"), 2)
+
+
+def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_run_goes_on(tmp_path, data,
+                                                                                           monkeypatch):
+    # GPUs without bf16 train in fp16 with a GradScaler; CPU autocast has fp16 too, so the path runs here.
+    import nystromformer.pretrain as pretraining
+    setup = pretraining.setup_runtime
+    monkeypatch.setattr(pretraining, "setup_runtime",
+                        lambda cfg, device=None: dataclasses.replace(setup(cfg, device), autocast_dtype=torch.float16))
+    calls, forward = [], NystromformerForMaskedLM.forward
+
+    def overflow_in_step_3(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        calls.append(1)
+        return dataclasses.replace(out, loss_sum=out.loss_sum * float("inf")) if len(calls) == 3 else out
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", overflow_in_step_3)
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 3, "epoch": 2,
+                                                      "validate_batches_per_epoch": 0},
+                       gpu_setting={"inst_per_gpu": 16})
+    assert run(folder) == 0
+    entries = [json.loads(line) for line in (folder / "model" / "pretrain_output.log").read_text().splitlines()]
+    assert [(e["type"], e["step"]) for e in entries if e["type"] in ("train", "skipped")] == [
+        ("train", 1), ("train", 2), ("skipped", 3), ("train", 4), ("train", 5), ("train", 6)]
+    state = checkpoint.load(folder / "model" / "cp-0001.cp")
+    assert state["scaler_state_dict"]["scale"] < 2.0 ** 16  # halved by the overflow (its default start: 2^16)
+    assert all(torch.isfinite(w).all() for w in state["model_state_dict"].values())
 
 
 def test_a_second_run_on_a_busy_model_folder_is_refused_and_leaves_the_log_alone(tmp_path, data):
