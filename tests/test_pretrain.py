@@ -550,13 +550,17 @@ def test_with_loss_scaling_only_a_run_of_non_finite_losses_is_a_divergence(tmp_p
         unscaled.check(float("inf"), 2)
 
 
-def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_run_goes_on(tmp_path, data,
-                                                                                           monkeypatch):
-    # GPUs without bf16 train in fp16 with a GradScaler; CPU autocast has fp16 too, so the path runs here.
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """Pretraining in fp16 with a GradScaler, as on GPUs without bf16: CPU autocast has fp16 too."""
     import nystromformer.pretrain as pretraining
     setup = pretraining.setup_runtime
     monkeypatch.setattr(pretraining, "setup_runtime",
                         lambda cfg, device=None: dataclasses.replace(setup(cfg, device), autocast_dtype=torch.float16))
+
+
+def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_run_goes_on(tmp_path, data,
+                                                                                           fp16_on_cpu, monkeypatch):
     calls, forward = [], NystromformerForMaskedLM.forward
 
     def overflow_in_step_3(self, *args, **kwargs):
@@ -574,6 +578,23 @@ def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_ru
     state = checkpoint.load(folder / "model" / "cp-0001.cp")
     assert state["scaler_state_dict"]["scale"] < 2.0 ** 16  # halved by the overflow (its default start: 2^16)
     assert all(torch.isfinite(w).all() for w in state["model_state_dict"].values())
+
+
+def test_with_fp16_a_dev_evaluation_that_overflows_is_measured_again_in_fp32(tmp_path, data, fp16_on_cpu,
+                                                                             monkeypatch, capsys):
+    forward = NystromformerForMaskedLM.forward
+
+    def overflow_in_fp16_evaluation(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if not self.training and torch.is_autocast_enabled("cpu"):
+            return dataclasses.replace(out, loss_sum=out.loss_sum * float("inf"))
+        return out
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", overflow_in_fp16_evaluation)
+    folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
+    assert run(folder) == 0
+    dev = read_log(folder / "model" / "pretrain_output.log", "dev")
+    assert len(dev) == 1 and dev[0]["loss"] < 10
+    assert "(in fp32: fp16 overflowed)" in capsys.readouterr().out
 
 
 def test_a_second_run_on_a_busy_model_folder_is_refused_and_leaves_the_log_alone(tmp_path, data):
