@@ -2,6 +2,7 @@
 ../shared, real SST-2 / STS-B subsets and our MNLI fixtures; sweeps; the command-line entry points."""
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import torch
 from nystromformer import atomic
 from nystromformer.config import ModelConfig
 from nystromformer.glue.commands import main as run_glue_main, settings_to_argv, settings_from_args
-from nystromformer.glue.finetune import (FinetuneSettings, SettingsError, SubmissionError, finetune, log_path,
+from nystromformer.glue.finetune import (FineTuningDiverged, FinetuneSettings, SettingsError, finetune, log_path,
                                         run_dir)
 from nystromformer.glue.submission import read_submission
 from nystromformer.glue.sweep import grid, run_sweep, summary_dir, write_summary
@@ -358,7 +359,7 @@ def test_an_absent_test_file_is_reported_and_a_rerun_writes_only_that_submission
     assert json.loads((out / "result.json").read_text())["submission_missing"] == []
 
 
-@pytest.mark.parametrize("broken", ["wrong header", "header only"])
+@pytest.mark.parametrize("broken", ["wrong header", "header only", "not UTF-8"])
 def test_a_test_file_that_is_there_but_unusable_fails_the_run(shared_dir, tmp_path, capsys, broken):
     glue = tmp_path / "glue"
     shutil.copytree(FIXTURES / "MRPC", glue / "MRPC")
@@ -366,28 +367,52 @@ def test_a_test_file_that_is_there_but_unusable_fails_the_run(shared_dir, tmp_pa
     lines = test_file.read_text().splitlines(keepends=True)
     if broken == "wrong header":  # the raw msr_paraphrase_test.txt layout, not GLUE's
         test_file.write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n" + "".join(lines[1:]))
-    else:
+    elif broken == "header only":
         test_file.write_text(lines[0])
+    else:
+        test_file.write_bytes(test_file.read_bytes() + "2\t1\t2\tcaf\u00e9\tcaf\u00e9\n".encode("latin-1"))
     model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
     argv = ["--model-dir", str(model_dir), "--task", "MRPC", "--checkpoint", "0", "--lr", "1e-3", "--batch_size", "2",
             "--epoch", "1", "--no-progress"]
     assert run_glue_main(argv) == 2
     err = capsys.readouterr().err
-    expected = "no column 'index' in the header" if broken == "wrong header" else "no rows after the header"
+    expected = {"wrong header": "no column 'index' in the header", "header only": "no rows after the header",
+                "not UTF-8": "test.tsv: unreadable (UnicodeDecodeError"}[broken]
     assert err.startswith("error: ") and expected in err and "MRPC.tsv not written" in err, err
+    # Trained and recorded: a rerun after fixing the file redoes only the submission.
+    result = json.loads((model_dir / "model" / "glue" / "MRPC-0-0.001-2-1" / "result.json").read_text())
+    assert result["submission_errors"]
 
 
-def test_a_diverged_checkpoint_gives_a_warning_and_no_submission_of_nan_predictions(fixture_model_dir):
+def test_a_diverged_run_is_an_error_recorded_as_finished_without_a_submission_of_nan_predictions(fixture_model_dir):
     cp = fixture_model_dir / "model" / "cp-0000.model"
     state = torch.load(cp, weights_only=True)
     state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"].fill_(float("nan"))
     atomic.torch_save(cp, state)
     settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=2, progress=False)
-    messages = []
-    with pytest.raises(SubmissionError, match=r"MRPC.tsv: the model's outputs are NaN or infinite for 2 of 2 test "):
-        finetune(fixture_model_dir, settings, log=messages.append)
-    assert any("no epoch has a finite dev score" in m for m in messages)
-    assert not (run_dir(fixture_model_dir / "model", settings) / "submission" / "MRPC.tsv").exists()
+    with pytest.raises(FineTuningDiverged, match=r"MRPC: no epoch has a finite dev score: the model's outputs are "
+                                                 r"NaN or infinite .* no submission written"):
+        finetune(fixture_model_dir, settings, log=quiet)
+    out = run_dir(fixture_model_dir / "model", settings)
+    result = json.loads((out / "result.json").read_text())
+    assert result["diverged"] and math.isnan(result["best_score"]) and not (out / "submission").exists()
+    # (NaN logits would argmax to class 0: a dev accuracy that means nothing; the scores are NaN instead.)
+    assert all(math.isnan(v) for epoch in result["history"] for v in epoch["dev"].values())
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]  # rerun: same end
+
+
+def test_the_collected_submission_does_not_depend_on_the_directory_a_sweep_is_run_from(fixture_model_dir,
+                                                                                       monkeypatch):
+    runs = grid(["MRPC"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    monkeypatch.chdir(fixture_model_dir.parent)
+    first = run_sweep(fixture_model_dir.name, runs, log=quiet)["summary"]  # result.json's paths: relative to here
+    monkeypatch.chdir(fixture_model_dir)
+    again = run_sweep(".", runs, log=quiet)
+    assert again["skipped"] == [runs[0].run_name]
+    collected = Path(again["summary"]["dir"]) / "submission" / "MRPC.tsv"
+    assert collected.is_file() and collected.read_text() == (fixture_model_dir.parent / first["dir"] / "submission" /
+                                                             "MRPC.tsv").read_text()
+    assert "missing MRPC.tsv" not in Path(again["summary"]["markdown"]).read_text()
 
 
 def settings_from_args_for(argv):

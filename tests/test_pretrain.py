@@ -105,6 +105,10 @@ def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_check
     assert events == ["queue", "queue", "read 1", "queue", "read 2", "read 3", "save_epoch",
                       "queue", "queue", "read 4", "read 5", "save_preempted"]
     assert [s for s, _ in losses(folder)] == [1, 2, 3, 4, 5]
+    # Each step's logged time is a step's duration (to the next step's start, or to its own read for the last one
+    # before a checkpoint): none is near zero.
+    times = [e["time"] for e in read_log(folder / "model" / "pretrain_output.log")]
+    assert min(times) > 0.2 * sorted(times)[len(times) // 2], times
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

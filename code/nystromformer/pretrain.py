@@ -4,7 +4,8 @@
     torchrun --nproc_per_node 8 code/run_pretrain.py --model-dir nystrom-512
 
 Re-running the same command resumes from the newest complete checkpoint (and says so, writing nothing, when
-the run has finished). SIGTERM (preemption, ``docker stop``) or SIGINT (Ctrl-C) finishes the current step,
+the run has finished). SIGTERM (preemption, ``docker stop``) or SIGINT (Ctrl-C) finishes the step in progress (and,
+under torchrun, possibly the next: the ranks agree on stopping one step later),
 writes ``step-NNNNNNNN.cp`` and exits with status 143 or 130 (torchrun, if it receives the signal itself, exits
 with 1); a second Ctrl-C stops at once. One run at a time per model folder: a second one is refused.
 """
@@ -120,7 +121,8 @@ class PreemptionFlag:
             raise KeyboardInterrupt  # a second Ctrl-C: stop at once (atomic writes leave no torn checkpoint)
         self.signum = max(self.signum, signum)
         if signum == signal.SIGINT:  # os.write: print is not safe inside a signal handler
-            os.write(2, b"\nstopping after this step and writing a checkpoint (Ctrl-C again stops at once)\n")
+            os.write(2, b"\nstopping after the step in progress and writing a checkpoint (Ctrl-C again stops at "
+                        b"once)\n")
 
     def agreed(self, rt: Runtime) -> int:
         """The signal every rank stops for (0: none)."""
@@ -131,7 +133,7 @@ class PreemptionFlag:
         every rank stops at the same step; None for a single process."""
         if rt.world_size == 1:
             return None
-        flag = torch.tensor([float(self.signum)], device=rt.device)
+        flag = torch.full((1,), float(self.signum), device=rt.device)  # a fill: torch.tensor(...) would sync
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
@@ -523,17 +525,15 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             dist.all_reduce(totals)
         return QueuedStep(done + 1, started, lr, total_masked, totals, preemption.queue_agreement(rt))
 
-    last_report = 0.0
-
-    def report(queued: QueuedStep) -> int:
+    def report(queued: QueuedStep, next_started: Optional[float] = None) -> int:
         """Read back a queued step's loss (waiting for that step's work only), check it is finite, log it and
-        advance the progress bar; returns the signal every rank stops for (0: none)."""
-        nonlocal last_report
+        advance the progress bar; returns the signal every rank stops for (0: none). ``next_started``: when the
+        next step began to be queued, if it has been."""
         loss_sum, correct = queued.totals.tolist()
         signum = preemption.agreement(queued.stop_flag)
-        now = time.perf_counter()
-        # Steps overlap, so a step's time is the interval between reports (from its start for the first one).
-        seconds, last_report = now - max(queued.started, last_report), now
+        # A step's time runs from its start to the next one's (the loop's period: steps overlap on the device), or
+        # to this read for the last step queued before a checkpoint.
+        seconds = (next_started or time.perf_counter()) - queued.started
         done, epoch = queued.step, (queued.step - 1) // ps.batches_per_epoch
         loss_value, accu = loss_sum / queued.total_masked, correct / queued.total_masked
         if nonfinite.check(loss_value, done):  # the same on every rank (all-reduced)
@@ -566,7 +566,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             current = queue_step(step)
             step += 1
             try:
-                signum = report(queued) if queued is not None else 0
+                signum = report(queued, current.started) if queued is not None else 0
                 queued = current
                 stopping = signum or (stop_at_step is not None and step >= stop_at_step)
                 if stopping or step % ps.batches_per_epoch == 0:

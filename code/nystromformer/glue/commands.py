@@ -13,12 +13,12 @@ from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..shards import ShardError
 from ..tokenizer import TokenizerError
-from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, SubmissionError, finetune
+from .finetune import DEFAULT_SEED, FineTuningDiverged, FinetuneSettings, SettingsError, SubmissionError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS, GlueDataError
 
 USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GlueDataError, ShardError, SettingsError,
-               SubmissionError)
+               SubmissionError, FineTuningDiverged)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -54,6 +54,10 @@ class SubmissionError(ValueError):
     """A test file could not be predicted completely; the trained run is kept and a rerun redoes the submission."""
 
 
+class FineTuningDiverged(ValueError):
+    """Every epoch's dev outputs were NaN or infinite; the run is recorded as finished, without submission."""
+
+
 @dataclass
 class FinetuneSettings:
     task: str
@@ -332,13 +336,16 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         log(f"{task.name} epoch {epoch}/{settings.epochs}: train loss {entry['train_loss']:.4f}, dev "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    if not math.isfinite(best["score"]):
-        log(f"warning: {task.name}: no epoch has a finite dev score (the model's outputs are NaN or infinite: a "
-            f"diverged checkpoint, or lower --lr)")
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "submission": [], "submission_errors": []}
+              "submission": [], "submission_errors": [], "submission_missing": []}
+    if math.isnan(best["score"]):
+        # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
+        atomic.write_json(out_dir / "result.json", {**result, "diverged": True})
+        raise FineTuningDiverged(f"{task.name}: no epoch has a finite dev score: the model's outputs are NaN or "
+                                 f"infinite (a diverged pretraining checkpoint, or too high a learning rate: "
+                                 f"{settings.lr:g}); no submission written; results in {out_dir}")
     log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
     return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
                    result, log)
@@ -380,7 +387,8 @@ def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer,
         try:
             result = read()
         except MissingGlueFile as e:
-            log(f"no {file_name} submission: {e} (rerun the same command once it is there: it writes only that)")
+            log(f"no {file_name} submission: {e} (once it is there, rerunning the same command redoes the "
+                f"submission, without training)")
             missing.append(file_name)
             continue
         except GlueDataError as e:

@@ -192,8 +192,7 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     rows = [{"task": s.task, "checkpoint": s.checkpoint, "lr": f"{s.lr:g}", "batch_size": s.batch_size,
              "epochs": s.epochs, "best_epoch": r["best_epoch"], "score": round(r["best_score"], 6),
              **{m: round(r["best_metrics"][m], 6) for m in metric_names if m in r["best_metrics"]},
-             "run": s.run_name,
-             "submission": " ".join(Path(f).name for f in r.get("submission", []) if Path(f).is_file())}
+             "run": s.run_name, "submission": " ".join(submission_files(checkpoint_dir, s, r))}
             for s, r in results]
 
     best_per_task: Dict[str, dict] = {}
@@ -244,27 +243,35 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
             "glue_average": average if complete else None}
 
 
+def submission_files(checkpoint_dir: Path, settings: FinetuneSettings, result: dict) -> Dict[str, Path]:
+    """The run's submission files that exist, by name; found in its run folder (result.json's paths are relative to
+    wherever that run was started)."""
+    folder = run_dir(checkpoint_dir, settings) / "submission"
+    names = [Path(f).name for f in result.get("submission", [])]
+    return {name: folder / name for name in names if (folder / name).is_file()}
+
+
 def collect_submission(checkpoint_dir: Path, results: List[tuple], best_per_task: Dict[str, dict],
                        folder: Path) -> List[str]:
     """Copy the best run's submission files of each task into ``folder`` (files of runs no longer best are
     removed) and return summary.md's section saying which of the leaderboard's files are there and why others
     are not."""
-    by_run = {s.run_name: r for s, r in results}
+    by_run = {s.run_name: (s, r) for s, r in results}
     lines, lacking = [], []
     for task in TASKS.values():
         best = best_per_task.get(task.name)
-        produced = {Path(f).name: Path(f) for f in by_run[best["run"]].get("submission", [])} if best else {}
+        settings, result = by_run[best["run"]] if best else (None, {})
+        produced = submission_files(checkpoint_dir, settings, result) if best else {}
         for name in submission_file_names(task):
             target = folder / name
-            source = produced.get(name)
-            if source is not None and source.is_file():
-                atomic.write_text(target, source.read_text())
+            if name in produced:
+                atomic.write_text(target, produced[name].read_text())
                 continue
             target.unlink(missing_ok=True)
             if best is None:
                 lacking.append(f"{name} (no finished {task.name} run)")
             else:
-                why = ("made with --no-submission" if not by_run[best["run"]]["settings"].get("submission", True)
+                why = ("made with --no-submission" if not settings.submission
                        else "its test file was absent or unusable: see its result.json")
                 lacking.append(f"{name} ({task.name}'s best run {best['run']}: {why})")
     total = sum(len(submission_file_names(t)) for t in TASKS.values())

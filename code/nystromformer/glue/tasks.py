@@ -155,6 +155,13 @@ def read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_lab
     path = Path(path)
     if not path.is_file():
         raise MissingGlueFile(f"missing GLUE file {path}")
+    try:
+        return _read_tsv(path, columns, labels, with_labels)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:  # unreadable as a whole: a user error naming the file
+        raise GlueDataError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_labels: bool) -> ReadResult:
     label_ids = {s: i for i, s in enumerate(labels)} if labels is not None else None
     result = ReadResult([], path)
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: some GLUE files start with a BOM
