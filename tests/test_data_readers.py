@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from nystromformer import cli
 from nystromformer.data import commands
 from nystromformer.data.partitions import PartitionError, partition_files, read_partition, write_partitions
 from nystromformer.data.readers import (SkipLog, bookcorpus_documents, expand_inputs, realnews_documents,
@@ -24,7 +25,7 @@ def run_command(argv):
     parser = argparse.ArgumentParser()
     commands.add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
+    return cli.run_command(args.func, args)  # as `nystromformer <command>`: a user error is one line, status 2
 
 
 def preprocess(tmp_path, dataset, *extra):

@@ -46,5 +46,5 @@ def test_demo_refuses_to_delete_a_folder_it_did_not_write(tmp_path):
     (precious / "keep.txt").write_text("important")
     proc = subprocess.run([sys.executable, "-m", "nystromformer.cli", "demo", "--output", str(precious)],
                           capture_output=True, text=True, cwd=REPO / "code")
-    assert proc.returncode == 1 and "is not a demo output folder" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "is not a demo output folder" in proc.stderr
     assert (precious / "keep.txt").read_text() == "important"

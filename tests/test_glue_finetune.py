@@ -249,14 +249,9 @@ def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_mode
 
 
 def sweep_command(model_dir, *flags):
-    import argparse
-    from nystromformer.glue import commands
-
-    parser = argparse.ArgumentParser()
-    commands.add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["glue-sweep", "--model-dir", str(model_dir), "--checkpoint", "0", "--lrs", "1e-3",
-                              "--batch-sizes", "2", "--epoch", "1", "--no-progress", *flags])
-    return args.func(args)
+    from nystromformer.cli import main
+    return main(["glue-sweep", "--model-dir", str(model_dir), "--checkpoint", "0", "--lrs", "1e-3", "--batch-sizes",
+                 "2", "--epoch", "1", "--no-progress", *flags])
 
 
 def test_a_sweep_of_some_tasks_summarises_every_finished_run_and_names_the_tasks_it_averages(fixture_model_dir,

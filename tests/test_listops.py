@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from nystromformer.cli import main
 from nystromformer.lra import listops
 from nystromformer.lra.commands import add_train_arguments, run_train
 from nystromformer.lra.train import RunSettings, encode_splits, majority_accuracy, model_config, train_one
@@ -82,7 +83,7 @@ def test_loader_parses_lra_fixture_with_parentheses():
 
 
 def test_loader_errors_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="basic_train.tsv"):
+    with pytest.raises(listops.ListOpsDataError, match="basic_train.tsv"):
         listops.load_lra_dir(tmp_path)
     (tmp_path / "x.tsv").write_text("a\tb\n1\t2\n")
     with pytest.raises(ValueError, match="Source"):
@@ -147,9 +148,17 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
     assert "Over seeds" in md and "| softmax | 2 |" in md and "| linear | 2 |" in md
 
 
-def test_bad_seeds_are_refused(tmp_path, capsys):
-    p = argparse.ArgumentParser()
-    add_train_arguments(p)
-    args = p.parse_args(["--data", str(FIXTURES), "--out", str(tmp_path), "--seeds", "0,x"])
-    assert run_train(args) == 2
-    assert "--seeds" in capsys.readouterr().err
+@pytest.mark.parametrize("flags, named", [
+    (["--seeds", "0,x"], "--seeds: expected comma-separated integers, got '0,x'"),
+    (["--attn-types", "softmax,nystrm"], "--attn-types: unknown attention type(s) nystrm"),
+    (["--set", "num_landmarks=thirty"], "--set num_landmarks=thirty: the value must be JSON"),
+    (["--set", "num_landmark=32"], "num_landmark"),
+    (["--set", "num_landmarks=\"32\""], "num_landmarks"),
+    (["--data", "no-such-folder"], "no-such-folder: missing basic_train.tsv"),
+])
+def test_user_mistakes_are_one_error_line_before_any_training(tmp_path, capsys, flags, named):
+    argv = ["listops-train", "--data", str(FIXTURES), "--out", str(tmp_path / "out"), "--attn-types", "softmax"]
+    assert main(argv + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

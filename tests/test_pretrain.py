@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from nystromformer import checkpoint, plots
+from nystromformer.cli import main
 from nystromformer.config import ConfigError, config_from_dict, load_config
 from nystromformer.mlm import generator, mask_tokens
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
@@ -560,7 +561,8 @@ def fp16_on_cpu(monkeypatch):
     import nystromformer.pretrain as pretraining
     setup = pretraining.setup_runtime
     monkeypatch.setattr(pretraining, "setup_runtime",
-                        lambda cfg, device=None: dataclasses.replace(setup(cfg, device), autocast_dtype=torch.float16))
+                        lambda mixed_precision, device=None: dataclasses.replace(setup(mixed_precision, device),
+                                                                               autocast_dtype=torch.float16))
 
 
 def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_run_goes_on(tmp_path, data,
@@ -698,7 +700,6 @@ def test_plot_labels_runs_whose_folders_share_a_name_by_the_shortest_distinguish
 
 def test_plot_reports_a_missing_log_on_stderr(tmp_path, capsys):
     folder = model_dir(tmp_path)
-    args = argparse.Namespace(model_dir=[str(folder)], output=tmp_path / "curves.png")
-    assert plots.run(args) == 2
+    assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "curves.png")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "error:" in err and "pretrain_output.log does not exist" in err

@@ -76,3 +76,25 @@ def test_fewer_than_one_dev_sequence_is_refused_and_nothing_is_logged(tmp_path):
     with pytest.raises(ConfigError, match="--num-sequences: must be >= 1, got 0"):
         validate(load_config(folder), epochs=[0], num_sequences=0)
     assert not (folder / "model" / "validation_output.log").exists()
+
+
+def test_with_fp16_a_validation_that_overflows_is_measured_again_in_fp32(trained, monkeypatch):
+    # As pretraining's dev evaluation: fp16 (GPUs without bf16; CPU autocast has it too) can overflow on a dev batch.
+    import dataclasses
+
+    import torch
+
+    import nystromformer.validate as validation
+    from nystromformer.model import NystromformerForMaskedLM
+    setup = validation.setup_runtime
+    monkeypatch.setattr(validation, "setup_runtime", lambda mixed_precision, device=None: dataclasses.replace(
+        setup(mixed_precision, device), autocast_dtype=torch.float16))
+    forward = NystromformerForMaskedLM.forward
+
+    def overflow_in_fp16(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return dataclasses.replace(out, loss_sum=out.loss_sum * float("inf")) if torch.is_autocast_enabled("cpu") \
+            else out
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", overflow_in_fp16)
+    entries = validate(load_config(trained), [1])
+    assert entries[0]["precision"] == "fp32 (fp16 overflowed)" and entries[0]["loss"] < 10

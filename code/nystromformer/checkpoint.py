@@ -4,7 +4,7 @@
   end of epoch NNNN (0-based): the weights alone, for validation, fine-tuning and ``from_cp``.
 - ``cp-NNNN.cp``: everything needed to resume (weights, optimizer, scheduler, scaler, epoch, step,
   inst_pass, RNG states).
-- ``step-YYYYYYYY.cp``: the same, written mid-epoch when the run is preempted (SIGTERM).
+- ``step-YYYYYYYY.cp``: the same, written mid-epoch when the run is stopped (SIGTERM, SIGINT, --stop-at-step).
 
 Every write is atomic; every load uses ``weights_only=True`` (no arbitrary unpickling).
 """
@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from . import atomic
+from .errors import UserError
 from .model import POSITION_OFFSET
 
 EPOCH_CP = re.compile(r"^cp-(\d{4,})\.cp$")
@@ -25,7 +26,7 @@ STEP_CP = re.compile(r"^step-(\d{8,})\.cp$")
 POSITION_KEY = "encoder.embeddings.position_embeddings.weight"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

@@ -6,6 +6,8 @@ import importlib
 import sys
 from typing import List, Optional
 
+from .errors import UserError
+
 COMMAND_MODULES = [
     "nystromformer.pretrain",
     "nystromformer.validate",
@@ -25,11 +27,20 @@ def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, ru
     p.set_defaults(func=run)
 
 
+def run_command(run, args: argparse.Namespace) -> int:
+    """``run(args)``'s exit status; a UserError is one ``error: ...`` line on stderr and status 2."""
+    try:
+        return int(run(args) or 0)
+    except UserError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+
+
 def script_main(prog: str, doc: str, add_arguments, run, argv: Optional[List[str]] = None) -> int:
     """The same command as a stand-alone script (the paper's ``code/run_*.py`` entry points)."""
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    return int(run(parser.parse_args(argv)) or 0)
+    return run_command(run, parser.parse_args(argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config.json that cannot be used; the message names the key and the file."""
 
 
@@ -73,7 +75,8 @@ class ModelConfig:
     # false: post-LayerNorm blocks (the paper's BERT/RoBERTa model); true: pre-LayerNorm blocks and a final
     # LayerNorm (the paper's LRA model).
     pre_layer_norm: bool = False
-    # Ids the embedding and MLM code need; written by the shard builder's meta.json too.
+    # The data's padding id (meta.json's special_tokens.pad): pretraining checks the two agree, and export writes
+    # it into transformers' config; masking and the model take padding from the data and the attention mask.
     pad_token_id: int = 1
 
     def validate(self, prefix: str = "model") -> None:

@@ -22,6 +22,7 @@ from typing import List
 from . import jsonlog
 from .cli import add_subcommand
 from .config import load_config
+from .errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "demo"
@@ -128,7 +129,7 @@ def run_demo(out: Path) -> int:
     out = out.resolve()
     if out.exists():
         if not (out / MARKER).exists():
-            raise DemoError(f"{out} exists and is not a demo output folder; choose another --output")
+            raise UserError(f"{out} exists and is not a demo output folder; choose another --output")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / MARKER).write_text("written by `nystromformer demo`; deleted and rewritten by the next demo run\n")
@@ -178,7 +179,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return run_demo(args.output)
-    except DemoError as e:
+    except DemoError as e:  # a step failed (its own output is above): not the user's mistake
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
 

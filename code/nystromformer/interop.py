@@ -16,7 +16,6 @@ import dataclasses
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -25,7 +24,10 @@ import torch
 from . import atomic, checkpoint
 from .cli import add_subcommand
 from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config
+from .errors import UserError
 from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
+from .shards import ShardError, read_meta
+from .tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer, model_tokenizer
 
 PathLike = Union[str, Path]
 # transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.
@@ -34,11 +36,9 @@ IMPORTED_WEIGHTS = "imported/hf-import.model"
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, in a state dict saved from the wrapper
 HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
                     "max_position_embeddings")
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json")
 
 
-class InteropError(ValueError):
+class InteropError(UserError, ValueError):
     """A model that cannot be exported/imported faithfully; the message names the option."""
 
 
@@ -122,7 +122,7 @@ def check_exportable(mc: ModelConfig) -> List[str]:
             raise InteropError(f"model.pinv_iterations: {mc.pinv_iterations}; transformers always runs "
                                f"{HF_PINV_ITERATIONS} pseudo-inverse iterations")
     else:
-        if mc.attn_type == "nystrom" and (mc.inv_coeff_init_option != "original" or mc.pinv_iterations != 6):
+        if mc.attn_type == "nystrom" and (mc.inv_coeff_init_option != "original" or mc.pinv_iterations != HF_PINV_ITERATIONS):
             notes.append("inv_coeff_init_option/pinv_iterations are unused (num_landmarks >= max_seq_len: "
                          "exact softmax), exported as transformers' defaults")
     if mc.attention_fp32:
@@ -189,27 +189,10 @@ def build_hf_model(mc: ModelConfig, state: Dict[str, torch.Tensor], num_labels: 
     return model.eval()
 
 
-def resolve_tokenizer_dir(cfg: Config) -> Optional[Path]:
-    """config.json's ``tokenizer`` (relative to the model folder), else the data folder's meta.json tokenizer
-    (relative to the data folder, or as written); None when neither names an existing folder."""
-    if cfg.tokenizer is not None:
-        path = cfg.path(cfg.tokenizer)
-        return path if path.is_dir() else None
-    meta = cfg.data_dir / "meta.json"
-    try:
-        name = json.loads(meta.read_text())["tokenizer"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    for candidate in (cfg.data_dir / name, Path(name).expanduser()):
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
 def _special_tokens(cfg: Config) -> Dict[str, int]:
     try:
-        return dict(json.loads((cfg.data_dir / "meta.json").read_text())["special_tokens"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return dict(read_meta(cfg.data_dir)["special_tokens"])
+    except ShardError:  # no data folder here: transformers' defaults
         return {}
 
 
@@ -289,19 +272,18 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
     model = build_hf_model(mc, state, num_labels, _special_tokens(cfg))
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(output))  # safetensors
-    tok_dir = resolve_tokenizer_dir(cfg)
-    if tok_dir is None:
-        log("warning: no tokenizer found (config.json 'tokenizer' or the data folder's meta.json): exported "
-            "the weights only; copy the tokenizer files into the folder before using pipeline()")
+    try:
+        tokenizer = model_tokenizer(cfg)
+        tok = load_tokenizer(tokenizer)
+    except (ConfigError, TokenizerError) as e:
+        log(f"warning: no tokenizer found ({e}): exported the weights only; copy the tokenizer files into the "
+            f"folder before using pipeline()")
     else:
-        from .tokenizer import load_tokenizer
-
-        tok = load_tokenizer(tok_dir)
         tok.model_max_length = mc.max_seq_len
         tok.save_pretrained(str(output))
         for name in TOKENIZER_FILES:  # also the source files (vocab.json, merges.txt) for other readers
-            if (tok_dir / name).is_file() and not (output / name).exists():
-                shutil.copyfile(tok_dir / name, output / name)
+            if isinstance(tokenizer, Path) and (tokenizer / name).is_file() and not (output / name).exists():
+                shutil.copyfile(tokenizer / name, output / name)
     log(f"exported {source} as transformers {model.__class__.__name__} to {output}")
     return output
 
@@ -590,24 +572,16 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    try:
-        export_hf(load_config(args.model_dir), args.output, args.checkpoint, args.glue_weights, args.num_labels)
-        return 0
-    except (ConfigError, InteropError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    export_hf(load_config(args.model_dir), args.output, args.checkpoint, args.glue_weights, args.num_labels)
+    return 0
 
 
 def run_import(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("max_seq_len", args.max_seq_len), ("attn_type", args.attn_type),
                                    ("num_landmarks", args.num_landmarks),
                                    ("conv_kernel_size", args.conv_kernel_size)) if v is not None}
-    try:
-        import_hf(args.input, args.model_dir, args.match_transformers, overrides, args.force)
-        return 0
-    except (ConfigError, InteropError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    import_hf(args.input, args.model_dir, args.match_transformers, overrides, args.force)
+    return 0
 
 
 def add_commands(subparsers) -> None:

@@ -5,6 +5,7 @@ masks the uninterrupted run would have, and every DDP rank draws the same global
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -120,3 +121,16 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
     loss_sum, masked, correct = totals.tolist()
     return {"loss": loss_sum / max(masked, 1), "mlm_accu": correct / max(masked, 1),
             "num_sequences": num_sequences, "num_masked": int(masked)}
+
+
+def evaluate_fp16_safe(model: torch.nn.Module, data: ShardedSequences, num_sequences: int, micro_batch: int,
+                       seed: int, mask_prob: float, device: torch.device,
+                       autocast_dtype: Optional[torch.dtype] = None, rank: int = 0,
+                       world_size: int = 1) -> Tuple[Dict[str, float], bool]:
+    """``evaluate``, measured again in fp32 when fp16's range overflowed (a non-finite loss): that can happen on a
+    dev batch while the weights are fine (training skips such steps). Returns (metrics, whether it was redone)."""
+    metrics = evaluate(model, data, num_sequences, micro_batch, seed, mask_prob, device, autocast_dtype, rank,
+                       world_size)
+    if autocast_dtype != torch.float16 or math.isfinite(metrics["loss"]):
+        return metrics, False
+    return evaluate(model, data, num_sequences, micro_batch, seed, mask_prob, device, None, rank, world_size), True

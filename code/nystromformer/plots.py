@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Dict, List
 
 from . import jsonlog
 from .cli import add_subcommand
 from .config import load_config
+from .errors import UserError
 from .pretrain import LOG_NAME
 
 
@@ -72,15 +72,11 @@ def run_labels(folders: List[str]) -> Dict[str, Path]:
 
 def run(args: argparse.Namespace) -> int:
     logs = {}
-    try:  # ConfigError is a ValueError
-        for label, folder in run_labels(args.model_dir).items():
-            path = load_config(folder).checkpoint_dir / LOG_NAME
-            if not path.is_file():
-                raise ValueError(f"{path} does not exist (has {folder} been pretrained?)")
-            logs[label] = path
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    for label, folder in run_labels(args.model_dir).items():
+        path = load_config(folder).checkpoint_dir / LOG_NAME
+        if not path.is_file():
+            raise UserError(f"{path} does not exist (has {folder} been pretrained?)")
+        logs[label] = path
     print(f"wrote {plot_pretraining(logs, args.output)}")
     return 0
 

@@ -35,11 +35,13 @@ from tqdm import tqdm
 from . import checkpoint, jsonlog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
+from .errors import UserError
 from .jsonlog import JsonLog
-from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate, generator, mask_tokens,
-                  micro_batches, padding_mask, to_device)
+from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate_fp16_safe, generator,
+                  mask_tokens, micro_batches, padding_mask, to_device)
 from .model import NystromformerForMaskedLM, masked_positions_of
-from .shards import ShardedSequences, ShardError
+from .runtime import Runtime, barrier, setup_runtime
+from .shards import ShardedSequences
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped before finishing", so restart policies retry
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
@@ -57,55 +59,19 @@ DATA_META_KEYS = ("max_seq_len", "vocab_size", "dtype", "special_tokens", "datas
 MAX_CONSECUTIVE_SKIPPED_STEPS = 10
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-@dataclass
-class Runtime:
-    """Where this process runs: rank and world size under torchrun, device, and precision."""
-    rank: int
-    world_size: int
-    device: torch.device
-    autocast_dtype: Optional[torch.dtype]  # None: full fp32
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_runtime(cfg: Config, device: Optional[str] = None) -> Runtime:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    autocast_dtype = None
-    if cfg.model.mixed_precision and dev.type == "cuda":
-        # bf16 needs no loss scaling; older GPUs get fp16 with a GradScaler.
-        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        autocast_dtype = torch.bfloat16 if native_bf16 else torch.float16
-    return Runtime(rank, world_size, dev, autocast_dtype)
-
-
 class PreemptionFlag:
-    """Set by SIGTERM or SIGINT (or by --stop-at-step); checked between steps so a step is never cut in half.
-    A context manager: the previous handlers come back when the run ends."""
+    """Set by SIGTERM or SIGINT; checked between steps so a step is never cut in half. A context manager: the
+    previous handlers come back when the run ends."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.signum = 0  # the signal received (the larger if both), 0 if none
         self._previous = {}
-
-    @property
-    def requested(self) -> bool:
-        return self.signum != 0
 
     def __enter__(self) -> "PreemptionFlag":
         for signum in self.SIGNALS:
@@ -359,7 +325,7 @@ def check_data(cfg: Config, data: ShardedSequences) -> None:
 
 def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[int] = None,
              show_progress: bool = True) -> int:
-    rt = setup_runtime(cfg, device)
+    rt = setup_runtime(cfg.model.mixed_precision, device)
     ps = cfg.pretraining_setting
     if ps.batch_size % rt.world_size:
         raise ConfigError(f"{cfg.config_file}: pretraining_setting.batch_size: {ps.batch_size} is not divisible by "
@@ -398,15 +364,11 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
     micro = min(cfg.gpu_setting.inst_per_gpu, per_rank)
 
     def evaluate_dev(epoch: int, step: int, note: str = "") -> None:
-        def measure(dtype):
-            return evaluate(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro, ps.seed,
-                            ps.mask_prob, rt.device, dtype, rt.rank, rt.world_size)
-        metrics = measure(rt.autocast_dtype)
-        if not math.isfinite(metrics["loss"]) and scaler.is_enabled():
-            # fp16's range can overflow on a dev batch while the weights are fine (the training loop skips such
-            # steps): measure again in fp32, else the same overflow would stop every rerun at this epoch.
-            metrics = measure(None)
-            note += " (in fp32: fp16 overflowed)"
+        # (Measured again in fp32 if fp16 overflowed: else the same overflow would stop every rerun here.)
+        metrics, redone = evaluate_fp16_safe(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro,
+                                             ps.seed, ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank,
+                                             rt.world_size)
+        note += " (in fp32: fp16 overflowed)" if redone else ""
         if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
             raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
                                                      ckpt_dir, ps.batches_per_epoch))
@@ -583,14 +545,14 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
                     path = checkpoint.save_preempted(ckpt_dir, state_dict())
                     log.write(type="preempted", step=step, checkpoint=str(path))
                     say(f"stopped at step {step}; wrote {path}. Run the same command again to resume.")
-                _barrier(rt)
+                barrier(rt)
                 return _stopped_exit_code(signum)
         bar.close()
 
         # Checkpoint first: a preemption's grace period (10 s for `docker stop`) may not cover the dev pass.
         if rt.is_main:
             checkpoint.save_epoch(ckpt_dir, epoch, state_dict())
-        _barrier(rt)
+        barrier(rt)
         signum = preemption.agreed(rt)
         stopping = signum or (stop_at_step is not None and step >= stop_at_step)
         if dev is not None and not signum:
@@ -598,15 +560,15 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         if stopping and step < total_steps:
             skipped = " (dev evaluation skipped: the rerun does it first)" if signum and dev is not None else ""
             say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
-            _barrier(rt)
+            barrier(rt)
             return _stopped_exit_code(signum)
         if signum:  # stopped by a signal at the very end: the rerun only does the dev evaluation
             say(f"stopped after the last epoch{' before its dev evaluation' if dev is not None else ''}; run the "
                 f"same command again to finish.")
-            _barrier(rt)
+            barrier(rt)
             return _stopped_exit_code(signum)
     say(f"pretraining finished: {step} steps; checkpoints in {ckpt_dir}")
-    _barrier(rt)  # every rank past its last collective before any of them tears the process group down
+    barrier(rt)  # every rank past its last collective before any of them tears the process group down
     return 0
 
 
@@ -635,11 +597,6 @@ class NonFiniteLosses:
                 f"the training loss is not finite at {self.consecutive} steps in a row ({first} to {step}; the "
                 f"GradScaler skipped them)")
         raise TrainingDiverged(_diverged_message(what, first - 1, self.ckpt_dir, self.batches_per_epoch))
-
-
-def _barrier(rt: Runtime) -> None:
-    if rt.world_size > 1:
-        dist.barrier()
 
 
 def _stopped_exit_code(signum: int) -> int:
@@ -684,9 +641,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.model_dir)
         return pretrain(cfg, device=args.device, stop_at_step=args.stop_at_step, show_progress=not args.no_progress)
-    except (ConfigError, ShardError, checkpoint.CheckpointError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
         if dist.is_initialized():
             # DDP's reducer holds the process group: free it now (it may sit in a reference cycle) rather than at

@@ -2,7 +2,9 @@
 
 A data folder holds:
 - ``meta.json``: ``{"format": "nystromformer-shards", "version": 1, "max_seq_len", "vocab_size", "dtype",
-  "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``
+  "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``, plus what ``build-shards`` records of
+  how it was built ("datasets", "dev_fraction", "dev_run", "seed", "shard_size"; a resumed pretraining run checks
+  them, pretrain.DATA_META_KEYS)
 - ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "wiki--part-00000-train-00000.npy",
   "num_sequences": n}, ...]}`` (file names relative to the folder; ``build-shards`` names them
   ``<dataset>--<partition>-<split>-<k>.npy``, see ``data/build.py``; any name works)
@@ -18,6 +20,7 @@ from typing import Dict, List, Sequence, Union
 import numpy as np
 
 from . import atomic
+from .errors import UserError
 
 FORMAT_NAME = "nystromformer-shards"
 FORMAT_VERSION = 1
@@ -25,7 +28,7 @@ SPLITS = ("train", "dev")
 SPECIAL_TOKEN_NAMES = ("bos", "eos", "pad", "mask", "unk")
 
 
-class ShardError(ValueError):
+class ShardError(UserError, ValueError):
     """A data folder that does not follow the shard format; the message names the file."""
 
 
@@ -67,14 +70,22 @@ def write_split_index(folder: Union[str, Path], split: str, shard_files: Sequenc
                       {"num_sequences": sum(e["num_sequences"] for e in entries), "shards": entries})
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardError(f"{path}: unreadable ({e}); rebuild the folder with `nystromformer build-shards`") from None
+
+
 def read_meta(folder: Union[str, Path]) -> dict:
     path = Path(folder) / "meta.json"
     if not path.is_file():
         raise ShardError(f"{path}: missing; a data folder needs meta.json, train.json and dev.json "
                          f"(build one with `nystromformer build-shards`)")
-    meta = json.loads(path.read_text())
-    if meta.get("format") != FORMAT_NAME:
-        raise ShardError(f"{path}: not a {FORMAT_NAME} folder (format={meta.get('format')!r})")
+    meta = _read_json(path)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise ShardError(f"{path}: not a {FORMAT_NAME} folder (format="
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != FORMAT_VERSION:
         raise ShardError(f"{path}: shard format version {meta.get('version')} is not supported "
                          f"(this code reads version {FORMAT_VERSION})")
@@ -92,7 +103,9 @@ class ShardedSequences:
         index_path = self.folder / f"{split}.json"
         if not index_path.is_file():
             raise ShardError(f"{index_path}: missing")
-        index = json.loads(index_path.read_text())
+        index = _read_json(index_path)
+        if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
+            raise ShardError(f"{index_path}: not a split index (no \"shards\" list)")
         self.arrays: List[np.ndarray] = []
         for entry in index["shards"]:
             path = self.folder / entry["file"]

@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Union
 
+from .errors import UserError
+
+# A tokenizer folder's files (this order: data/build.py's tokenizer fingerprint hashes them in it).
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "added_tokens.json", "special_tokens_map.json",
+                   "tokenizer_config.json")
 SPECIAL_TOKEN_ATTRS = {"bos": "bos_token_id", "eos": "eos_token_id", "pad": "pad_token_id",
                        "mask": "mask_token_id", "unk": "unk_token_id"}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     pass
 
 
@@ -31,6 +36,26 @@ def load_tokenizer(name_or_path: Union[str, Path]):
             f"tokenizer {str(name_or_path)!r} is neither a folder nor in the local Hugging Face cache ({e}). "
             f"Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, "
             f"or train one with `nystromformer train-tokenizer`.") from None
+
+
+def model_tokenizer(cfg) -> Union[Path, str]:
+    """The tokenizer a model folder uses, for ``load_tokenizer``: config.json's ``tokenizer`` (relative to the model
+    folder), else the one its pretraining data was built with (meta.json's: a folder relative to the data folder,
+    a path, or a hub name). A ConfigError when neither says."""
+    from .config import ConfigError
+    from .shards import ShardError, read_meta
+
+    if cfg.tokenizer is not None:
+        return cfg.path(cfg.tokenizer)
+    try:
+        name = read_meta(cfg.data_dir)["tokenizer"]
+    except (ShardError, KeyError) as e:
+        raise ConfigError(f"{cfg.config_file}: no \"tokenizer\" key, and the data folder's meta.json cannot tell "
+                          f"which tokenizer the model uses ({e})") from None
+    for candidate in (cfg.data_dir / name, Path(name).expanduser()):
+        if candidate.is_dir():
+            return candidate
+    return name
 
 
 def special_token_ids(tokenizer) -> Dict[str, int]:

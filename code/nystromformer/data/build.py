@@ -40,8 +40,9 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import atomic
+from ..errors import UserError
 from ..shards import make_meta, write_meta, write_shard, write_split_index
-from ..tokenizer import load_tokenizer, special_token_ids
+from ..tokenizer import TOKENIZER_FILES, load_tokenizer, special_token_ids
 from .partitions import partition_files
 from .tokenize import DocumentEncoder
 
@@ -50,11 +51,9 @@ log = logging.getLogger("nystromformer.data")
 MANIFEST_DIR = "manifest"
 SHARD_SIZE = 16384  # sequences per shard: 16 MB at seq_len 512 (uint16), 128 MB at 4096
 DEV_RUN = 8192  # consecutive sequences sent to dev or train together: the paper's output files held 8,192
-# Paper's mixture: BookCorpus and Wikipedia whole, RealNews and Stories one third.
-PAPER_RATIOS = {"bookcorpus": 1.0, "wiki": 1.0, "realnews": 1 / 3, "stories": 1 / 3}
 
 
-class BuildError(ValueError):
+class BuildError(UserError, ValueError):
     pass
 
 
@@ -219,8 +218,6 @@ def _write_json_if_changed(path: Path, obj) -> bool:
 
 
 # What identifies a tokenizer folder's ids (those present are hashed).
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "added_tokens.json", "special_tokens_map.json",
-                   "tokenizer_config.json")
 
 
 def tokenizer_identity(tokenizer) -> str:

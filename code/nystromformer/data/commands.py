@@ -1,10 +1,8 @@
 """``nystromformer`` subcommands of the data pipeline: extract-wiki, preprocess, train-tokenizer, build-shards."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import sys
 from pathlib import Path
 
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
@@ -12,15 +10,6 @@ from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT,
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-
-def _user_errors() -> tuple:
-    from ..shards import ShardError
-    from ..tokenizer import TokenizerError
-    from .build import BuildError
-    from .partitions import InputError, PartitionError
-    # InputError, not FileNotFoundError: a file vanishing mid-run (a bug) must keep its traceback.
-    return BuildError, PartitionError, ShardError, TokenizerError, InputError, NotADirectoryError
 
 
 def _check_exists(paths, what: str) -> None:
@@ -31,21 +20,6 @@ def _check_exists(paths, what: str) -> None:
             raise InputError(f"{path}: {what} does not exist")
 
 
-def reports_user_errors(run):
-    """A user's mistake (a missing file, a bad flag value) prints one ``error: ...`` line and exits 2;
-    anything else is a bug and keeps its traceback."""
-    @functools.wraps(run)
-    def wrapper(args) -> int:
-        errors = _user_errors()
-        try:
-            return run(args)
-        except errors as e:
-            print("error: " + " ".join(str(e).split()), file=sys.stderr)
-            return 2
-    return wrapper
-
-
-@reports_user_errors
 def cmd_extract_wiki(args) -> int:
     from .wiki import extract_wiki
     _logging()
@@ -55,7 +29,6 @@ def cmd_extract_wiki(args) -> int:
     return extract_wiki(args.dump, args.output, args.processes, args.bytes)
 
 
-@reports_user_errors
 def cmd_preprocess(args) -> int:
     from .partitions import InputError, PartitionError, write_partitions
     _logging()
@@ -86,7 +59,6 @@ def cmd_preprocess(args) -> int:
     return 0
 
 
-@reports_user_errors
 def cmd_train_tokenizer(args) -> int:
     from .tokenize import train_tokenizer
     _logging()
@@ -94,7 +66,6 @@ def cmd_train_tokenizer(args) -> int:
     return 0
 
 
-@reports_user_errors
 def cmd_build_shards(args) -> int:
     from .build import build_shards, parse_dataset
     _logging()

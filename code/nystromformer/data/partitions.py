@@ -29,6 +29,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 from tqdm import tqdm
 
 from .. import atomic
+from ..errors import UserError
 from .readers import SkipLog
 
 log = logging.getLogger("nystromformer.data")
@@ -38,11 +39,11 @@ PARTITION_NAME = re.compile(r"part-\d{5,}\.txt")
 WORDS_PER_PARTITION = 20_000_000
 
 
-class PartitionError(ValueError):
+class PartitionError(UserError, ValueError):
     """A partition folder that cannot be used or replaced; the message names the folder."""
 
 
-class InputError(FileNotFoundError):
+class InputError(UserError, FileNotFoundError):
     """A path the user named does not exist or holds nothing usable (a FileNotFoundError the CLI reports in one
     line; any other FileNotFoundError is a bug and keeps its traceback)."""
 

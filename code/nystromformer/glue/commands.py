@@ -6,19 +6,12 @@ also has a dashed spelling.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import List, Optional
 
-from ..checkpoint import CheckpointError
-from ..config import ConfigError
-from ..shards import ShardError
-from ..tokenizer import TokenizerError
-from .finetune import DEFAULT_SEED, FineTuningDiverged, FinetuneSettings, SettingsError, SubmissionError, finetune
+from ..cli import script_main
+from .finetune import DEFAULT_SEED, FinetuneSettings, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
-from .tasks import TASKS, GlueDataError
-
-USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, GlueDataError, ShardError, SettingsError,
-               SubmissionError, FineTuningDiverged)
+from .tasks import TASKS
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -77,16 +70,8 @@ def settings_to_argv(s: FinetuneSettings) -> List[str]:
     return argv
 
 
-def _user_error(e: Exception) -> int:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-
-
 def cmd_glue(args: argparse.Namespace) -> int:
-    try:
-        finetune(args.model_dir, settings_from_args(args))
-    except USER_ERRORS as e:
-        return _user_error(e)
+    finetune(args.model_dir, settings_from_args(args))
     return 0
 
 
@@ -104,15 +89,12 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     if devices is None:
         import torch
         devices = [str(i) for i in range(torch.cuda.device_count())] or None
-    try:
-        base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
-        common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
-        # Parallel workers write to log files; bars from several processes would interleave.
-        if devices and len(devices) > 1:
-            common["progress"] = False
-        outcome = run_sweep(args.model_dir, grid(tasks, args.lrs, args.batch_sizes, **common), devices)
-    except USER_ERRORS as e:
-        return _user_error(e)
+    base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
+    common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
+    # Parallel workers write to log files; bars from several processes would interleave.
+    if devices and len(devices) > 1:
+        common["progress"] = False
+    outcome = run_sweep(args.model_dir, grid(tasks, args.lrs, args.batch_sizes, **common), devices)
     summary = outcome["summary"]
     if summary["average"] is not None:
         print(f"{summary['average_label']}: {summary['average'] * 100:.2f}; see {summary['markdown']}")
@@ -144,7 +126,5 @@ def add_commands(subparsers) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``run_glue.py``: the ``glue`` command on its own."""
-    parser = argparse.ArgumentParser(prog="run_glue.py", description="Fine-tune a pretraining checkpoint on a "
-                                     "GLUE task (same as `nystromformer glue`); see docs/glue.md.")
-    add_glue_arguments(parser)
-    return cmd_glue(parser.parse_args(argv))
+    return script_main("run_glue.py", "Fine-tune a pretraining checkpoint on a GLUE task (same as `nystromformer "
+                       "glue`); see docs/glue.md.", add_glue_arguments, cmd_glue, argv)

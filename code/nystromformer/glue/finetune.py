@@ -31,9 +31,12 @@ from tqdm import tqdm
 
 from .. import atomic
 from ..checkpoint import find_model, load_pretrained_weights
-from ..config import Config, ConfigError, load_config
+from ..checkpoint import load as load_checkpoint
+from ..config import load_config
+from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
-from ..tokenizer import load_tokenizer
+from ..runtime import autocast_dtype
+from ..tokenizer import load_tokenizer, model_tokenizer
 from .encoding import EncodedDataset, PadCollator
 from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
 from .submission import format_predictions, write_submission
@@ -46,15 +49,15 @@ DEFAULT_SEED = 42
 SUBSET_SEED = 0
 
 
-class SettingsError(ValueError):
+class SettingsError(UserError, ValueError):
     """Impossible fine-tuning settings (a flag's value)."""
 
 
-class SubmissionError(ValueError):
+class SubmissionError(UserError, ValueError):
     """A test file could not be predicted completely; the trained run is kept and a rerun redoes the submission."""
 
 
-class FineTuningDiverged(ValueError):
+class FineTuningDiverged(UserError, ValueError):
     """Every epoch's dev outputs were NaN or infinite; the run is recorded as finished, without submission."""
 
 
@@ -149,22 +152,6 @@ def submission_to_redo(result: dict, glue_dir: Optional[Path]) -> bool:
         submission_source_exists(glue_dir, get_task(result["task"]), name) for name in missing)
 
 
-def resolve_tokenizer(cfg: Config):
-    """config.json's ``tokenizer`` if set, else the one the pretraining data was built with."""
-    from ..shards import ShardError, read_meta
-
-    if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.path(cfg.tokenizer))
-    try:
-        name = read_meta(cfg.data_dir)["tokenizer"]
-    except ShardError as e:
-        raise ConfigError(f"no tokenizer for GLUE: config.json has no \"tokenizer\" key and the data folder's "
-                          f"meta.json cannot tell ({e})") from None
-    # A relative path in meta.json is relative to the data folder.
-    candidate = cfg.data_dir / name
-    return load_tokenizer(candidate if candidate.is_dir() else name)
-
-
 def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -202,10 +189,10 @@ class Runner:
     def __init__(self, model: torch.nn.Module, device: torch.device, mixed_precision: bool):
         self.model = model.to(device)
         self.device = device
-        self.amp = device.type == "cuda" and mixed_precision
-        self.amp_dtype = torch.bfloat16 if self.amp and torch.cuda.is_bf16_supported() else torch.float16
+        dtype = autocast_dtype(device, mixed_precision)  # as pretraining: bf16 where native, else fp16
+        self.amp, self.amp_dtype = dtype is not None, dtype or torch.bfloat16
         # A loss scaler is only needed for fp16.
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp and self.amp_dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     def forward(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp):
@@ -250,7 +237,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)  # fail before the slow parts
-    tokenizer = resolve_tokenizer(cfg)
+    tokenizer = load_tokenizer(model_tokenizer(cfg))
     device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     max_seq_len = settings.max_seq_len or cfg.model.max_seq_len
 
@@ -361,7 +348,7 @@ def _submit(runner: Runner, model: torch.nn.Module, task: Task, glue_dir: Path, 
     that a rerun redoes only this step); raises SubmissionError when a submission file could not be written."""
     files, errors, missing = [], [], []
     if settings.submission:
-        weights = torch.load(out_dir / "best.model", map_location="cpu", weights_only=True)["model_state_dict"]
+        weights = load_checkpoint(out_dir / "best.model")["model_state_dict"]  # a CheckpointError names a bad file
         model.load_state_dict(weights)
         files, errors, missing = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len,
                                                        with_token_types, settings.eval_batch_size,

@@ -2,8 +2,9 @@
 
 Runs go one per GPU in parallel when several devices are given (each a subprocess of
 ``run_glue.py`` (= ``nystromformer glue``) with its own CUDA_VISIBLE_DEVICES), and one after another in this process
-otherwise. A run with a result.json is finished and skipped, so an interrupted sweep resumes where it
-stopped. The summary (CSV, Markdown, PNG) goes to ``<checkpoint_dir>/glue/sweep-<checkpoint>[<suffix>]/`` and
+otherwise. A finished run is skipped (a result.json with the same settings, no failed submission and no missing
+submission file whose test file has appeared since: ``finetune.is_finished``), so an interrupted sweep resumes
+where it stopped. The summary (CSV, Markdown, PNG) goes to ``<checkpoint_dir>/glue/sweep-<checkpoint>[<suffix>]/`` and
 covers every finished run in ``<checkpoint_dir>/glue/`` made with this sweep's settings bar task, lr and batch size,
 not only this sweep's grid (the suffix: ``-seed<N>``/``-train<N>`` as in the run names, so runs with another seed or
 training subset get their own summary; runs differing in epochs, warm-up, sequence length... are left out, with a
@@ -80,7 +81,7 @@ def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, ch
                PYTHONPATH=os.pathsep.join(filter(None, [str(CODE_DIR), os.environ.get("PYTHONPATH")])))
     # run_glue.py is `nystromformer glue` without importing every other subcommand's module.
     cmd = [sys.executable, str(CODE_DIR / "run_glue.py"), "--model-dir", str(model_dir),
-           *settings_to_argv(settings), "--no-progress"]
+           *settings_to_argv(dataclasses.replace(settings, progress=False))]  # the console goes to a file
     # The console output of the latest attempt (rewritten each time); result.json marks completion.
     with open(out / "console.txt", "w") as console:
         return subprocess.run(cmd, env=env, stdout=console, stderr=subprocess.STDOUT).returncode

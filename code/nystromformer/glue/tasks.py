@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ..errors import UserError
+
 # Some GLUE fields (MNLI parses) are longer than csv's default 128 KiB limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
 
 
-class GlueDataError(ValueError):
+class GlueDataError(UserError, ValueError):
     """A GLUE file that is missing or unusable as a whole (not a single bad row)."""
 
 

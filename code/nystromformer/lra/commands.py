@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..cli import add_subcommand
 from ..config import ATTENTION_TYPES
+from ..errors import UserError
 from . import listops
-from .train import RunSettings, encode_splits, majority_accuracy, train_one, write_results
+from .train import RunSettings, encode_splits, majority_accuracy, model_config, train_one, write_results
 
 GEN_DOC = "Generate LRA ListOps TSVs (basic_train/val/test.tsv, Source<TAB>Target)."
 TRAIN_DOC = __doc__
@@ -87,34 +87,39 @@ def run_train(args) -> int:
     names = [a.strip() for a in args.attn_types.split(",") if a.strip()]
     bad = [a for a in names if a not in ATTENTION_TYPES]
     if bad:
-        print(f"unknown attention type(s): {', '.join(bad)}", file=sys.stderr)
-        return 2
+        raise UserError(f"--attn-types: unknown attention type(s) {', '.join(bad)} (known: "
+                        f"{', '.join(ATTENTION_TYPES)})")
     overrides = {}
     for item in args.set:
         key, _, val = item.partition("=")
-        overrides[key] = json.loads(val)
+        try:
+            overrides[key] = json.loads(val)
+        except json.JSONDecodeError:
+            raise UserError(f"--set {item}: the value must be JSON, e.g. --set num_landmarks=32 or "
+                            f"--set linformer_sharing='\"kv\"'") from None
     settings = RunSettings(**{k: getattr(args, k) for k in RunSettings().__dict__})
     try:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
-        print(f"--seeds: expected comma-separated integers, got {args.seeds!r}", file=sys.stderr)
-        return 2
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    for name in names:  # every run's settings checked before the first one trains
+        model_config(name, settings, overrides)
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = open(args.out / "listops_log.jsonl", "a")
+    with open(args.out / "listops_log.jsonl", "a") as log_file:
+        def log(line):
+            print(line, flush=True)
+            log_file.write(line + "\n")
+            log_file.flush()
 
-    def log(line):
-        print(line, flush=True)
-        log_file.write(line + "\n")
-        log_file.flush()
-
-    results = []
-    for name in names:
-        for seed in seeds:
-            results.append(train_one(name, splits, replace(settings, seed=seed), overrides, log))
-            log(json.dumps({"result": results[-1]}))
-            write_results(results, args.out, args.title, settings, majority_accuracy(splits["train"], splits["test"]))
+        results = []
+        for name in names:
+            for seed in seeds:
+                results.append(train_one(name, splits, replace(settings, seed=seed), overrides, log))
+                log(json.dumps({"result": results[-1]}))
+                write_results(results, args.out, args.title, settings,
+                              majority_accuracy(splits["train"], splits["test"]))
     print((args.out / "listops_results.md").read_text())
     return 0
 

@@ -21,9 +21,16 @@ import random
 from pathlib import Path
 from typing import Iterable, List, Sequence, Tuple, Union
 
+from ..errors import UserError
+
+
+class ListOpsDataError(UserError, ValueError):
+    """An LRA ListOps file or folder that cannot be used as it is; the message names it (and the line)."""
+
+
 OPERATORS = ("[MAX", "[MIN", "[MED", "[SM")
 END = "]"
-VALUE_P = 0.25  # LRA: probability that a node below max depth is an operator
+OPERATOR_P = 0.25  # LRA's VALUE_P: the probability that a node below max depth is an operator
 VOCAB = ["<pad>", "<unk>"] + [str(d) for d in range(10)] + list(OPERATORS) + [END]
 PAD_ID = 0
 TOKEN_ID = {t: i for i, t in enumerate(VOCAB)}
@@ -49,7 +56,7 @@ def _apply(op: str, args: Sequence[int]) -> int:
 
 def generate_tree(rng: random.Random, depth: int, max_depth: int, max_args: int) -> Tuple[Tree, int]:
     """A random tree and its token count (LRA's generate_tree, minus the binarised tuples)."""
-    is_op = depth == 1 or (depth < max_depth and rng.random() < VALUE_P)
+    is_op = depth == 1 or (depth < max_depth and rng.random() < OPERATOR_P)
     if not is_op:
         return rng.randrange(10), 1
     op = rng.choice(OPERATORS)
@@ -196,16 +203,19 @@ def read_tsv(path: Path) -> List[Tuple[List[str], int]]:
         reader = csv.reader(f, delimiter="\t")
         header = next(reader, None)
         if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise ValueError(f"{path}: expected a 'Source<TAB>Target' header, got {header!r}")
+            raise ListOpsDataError(f"{path}: expected a 'Source<TAB>Target' header, got {header!r}")
         for lineno, row in enumerate(reader, start=2):
             if not row:
                 continue
             if len(row) < 2:
-                raise ValueError(f"{path}:{lineno}: expected 2 tab-separated columns")
+                raise ListOpsDataError(f"{path}:{lineno}: expected 2 tab-separated columns")
             tokens = [t for t in row[0].split() if t not in ("(", ")")]
-            label = int(row[1])
+            try:
+                label = int(row[1])
+            except ValueError:
+                raise ListOpsDataError(f"{path}:{lineno}: label {row[1]!r} is not an integer") from None
             if not 0 <= label < NUM_CLASSES:
-                raise ValueError(f"{path}:{lineno}: label {label} outside 0-9")
+                raise ListOpsDataError(f"{path}:{lineno}: label {label} outside 0-9")
             rows.append((tokens, label))
     return rows
 
@@ -215,7 +225,7 @@ def load_lra_dir(folder: Path) -> dict:
     folder = Path(folder)
     missing = [f for f in SPLIT_FILES.values() if not (folder / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder}: missing {', '.join(missing)} (the LRA release's listops-1000 folder)")
+        raise ListOpsDataError(f"{folder}: missing {', '.join(missing)} (the LRA release's listops-1000 folder)")
     return {split: read_tsv(folder / name) for split, name in SPLIT_FILES.items()}
 
 

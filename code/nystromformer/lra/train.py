@@ -12,7 +12,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import ModelConfig, config_from_dict
 from ..model import Encoder, init_weights
 from . import listops
 
@@ -75,19 +75,19 @@ class ListOpsClassifier(nn.Module):
 
 
 def model_config(attn_type: str, s: RunSettings, overrides: Optional[dict] = None) -> ModelConfig:
-    cfg = ModelConfig(vocab_size=len(listops.VOCAB), pad_token_id=listops.PAD_ID, max_seq_len=s.max_length,
-                      embedding_dim=s.dim, transformer_dim=s.dim, transformer_hidden_dim=s.ffn_dim,
-                      num_layers=s.num_layers, num_head=s.num_head, head_dim=s.dim // s.num_head,
-                      dropout_prob=s.dropout, attn_type=attn_type, mixed_precision=False,
-                      pre_layer_norm=True)  # the paper's LRA model is pre-LayerNorm
-    params = dict(LRA_ATTENTION.get(attn_type, {}))
-    params.update(overrides or {})
+    """The LRA model's settings for ``attn_type``, with the user's ``overrides`` (``--set``) checked by the config
+    schema: an unknown key or a wrong type is a ConfigError naming it."""
+    model = dict(vocab_size=len(listops.VOCAB), pad_token_id=listops.PAD_ID, max_seq_len=s.max_length,
+                 embedding_dim=s.dim, transformer_dim=s.dim, transformer_hidden_dim=s.ffn_dim,
+                 num_layers=s.num_layers, num_head=s.num_head, head_dim=s.dim // s.num_head,
+                 dropout_prob=s.dropout, attn_type=attn_type, mixed_precision=False,
+                 pre_layer_norm=True)  # the paper's LRA model is pre-LayerNorm
+    model.update(LRA_ATTENTION.get(attn_type, {}))
+    model.update(overrides or {})
     # Keep sequence-sized hyper-parameters legal when a reduced run shortens the sequences.
-    if "linformer_k" in params:
-        params["linformer_k"] = min(params["linformer_k"], s.max_length)
-    cfg = replace(cfg, **params)
-    cfg.validate()
-    return cfg
+    if "linformer_k" in model and isinstance(model["linformer_k"], int):
+        model["linformer_k"] = min(model["linformer_k"], s.max_length)
+    return config_from_dict({"model": model}).model
 
 
 def batches(data: List[Tuple[List[int], int]], batch_size: int, shuffle: bool, rng: Optional[random.Random] = None):

@@ -1,0 +1,8 @@
+"""The one kind of error a command reports as the user's: ``cli`` prints it as one ``error: ...`` line and exits 2.
+Every such error type (ConfigError, ShardError, CheckpointError, GlueDataError, ...) subclasses UserError;
+anything else is a bug and keeps its traceback."""
+
+
+class UserError(Exception):
+    """A user's mistake (a missing or malformed file, a bad key or flag value) or a run that cannot go on as
+    asked (a diverged loss); the message names the file, key or flag and says what to do."""
