@@ -16,7 +16,15 @@ BOOKCORPUS_FLAGS ?=
 TOKENIZER ?= roberta-base
 WORK ?= data-preprocessing/work
 PARTITIONS := $(WORK)/partitions
-DATASETS := $(PARTITIONS)/wiki:1 $(PARTITIONS)/bookcorpus:1 $(PARTITIONS)/stories:0.333 $(PARTITIONS)/realnews:0.333
+# The corpora to use (e.g. CORPORA=wiki with only a Wikipedia dump), with the paper's sampling ratios
+CORPORA ?= wiki bookcorpus stories realnews
+RATIO_wiki := 1
+RATIO_bookcorpus := 1
+RATIO_stories := 0.333
+RATIO_realnews := 0.333
+DATASETS ?= $(foreach c,$(CORPORA),$(PARTITIONS)/$(c):$(RATIO_$(c)))
+# Dev split: runs of this many consecutive sequences (the paper's files held 8,192); small data needs fewer
+DEV_RUN ?= 8192
 
 # Training
 MODEL ?= nystrom-512
@@ -27,6 +35,9 @@ TASKS ?= all
 BATCH_SIZE ?= 32
 LR ?= 3e-5
 EPOCHS ?= 5
+# glue-sweep's grid (the paper's)
+LRS ?= 2e-5,3e-5,4e-5,5e-5
+BATCH_SIZES ?= 16,32
 NPROC ?= 1
 # torchrun's rendezvous flags; the default runs on this machine only
 TORCHRUN_ARGS ?= --standalone
@@ -58,7 +69,7 @@ demo: setup ## the whole pipeline on the embedded sample in demo/ (writes demo-o
 # `make clean-partitions`) to redo a step, e.g. after new downloads.
 EXTRACTED := $(WORK)/wiki-extracted
 STAMPS := $(WORK)/completed
-partitions: $(addprefix $(STAMPS)/,wiki bookcorpus stories realnews) ## extract and partition the four corpora
+partitions: $(addprefix $(STAMPS)/,$(CORPORA)) ## extract and partition the corpora (CORPORA: default all four)
 
 $(STAMPS)/wiki-extracted: | $(VENV)/.installed
 	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(EXTRACTED)
@@ -81,13 +92,18 @@ clean-partitions: ## forget finished corpus steps (the next data-512/data-4096 r
 
 # build-shards itself resumes and skips finished partition files
 data-512: partitions ## shards of 512 tokens in data-preprocessing/512-roberta (TOKENIZER=folder)
-	$(NYS) build-shards --seq-len 512 --tokenizer $(TOKENIZER) --output data-preprocessing/512-roberta $(DATASETS)
+	$(NYS) build-shards --seq-len 512 --tokenizer $(TOKENIZER) --dev-run $(DEV_RUN) --output data-preprocessing/512-roberta $(DATASETS)
 
 data-4096: partitions ## shards of 4096 tokens in data-preprocessing/4096-roberta (reuses the partitions)
-	$(NYS) build-shards --seq-len 4096 --tokenizer $(TOKENIZER) --output data-preprocessing/4096-roberta $(DATASETS)
+	$(NYS) build-shards --seq-len 4096 --tokenizer $(TOKENIZER) --dev-run $(DEV_RUN) --output data-preprocessing/4096-roberta $(DATASETS)
 
+# One process: no torchrun (whose own traceback on Ctrl-C would look like a crash; the run stops cleanly anyway)
 pretrain: setup ## pretrain MODEL (resumes; NPROC=8 for 8 GPUs; multi-node: TORCHRUN_ARGS="--nnodes ...")
+ifeq ($(NPROC),1)
+	$(NYS) pretrain --model-dir $(MODEL)
+else
 	$(VENV)/bin/torchrun $(TORCHRUN_ARGS) --nproc_per_node $(NPROC) code/run_pretrain.py --model-dir $(MODEL)
+endif
 
 validate: setup ## MLM validation of MODEL's checkpoints not yet validated
 	$(NYS) validate --model-dir $(MODEL)
@@ -95,8 +111,8 @@ validate: setup ## MLM validation of MODEL's checkpoints not yet validated
 glue: setup ## fine-tune MODEL's cp-CHECKPOINT on TASK (BATCH_SIZE, LR, EPOCHS)
 	$(NYS) glue --model-dir $(MODEL) --task $(TASK) --checkpoint $(CHECKPOINT) --batch_size $(BATCH_SIZE) --lr $(LR) --epoch $(EPOCHS)
 
-glue-sweep: setup ## the paper's GLUE grid for TASKS on MODEL's cp-CHECKPOINT
-	$(NYS) glue-sweep --model-dir $(MODEL) --checkpoint $(CHECKPOINT) --tasks $(TASKS)
+glue-sweep: setup ## the paper's GLUE grid (LRS x BATCH_SIZES, EPOCHS) for TASKS on MODEL's cp-CHECKPOINT
+	$(NYS) glue-sweep --model-dir $(MODEL) --checkpoint $(CHECKPOINT) --tasks $(TASKS) --lrs $(LRS) --batch-sizes $(BATCH_SIZES) --epoch $(EPOCHS)
 
 docker-build: ## build the Docker image IMAGE from docker/Dockerfile
 	docker build -f docker/Dockerfile -t $(IMAGE) .

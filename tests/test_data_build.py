@@ -226,6 +226,16 @@ def test_roberta_ids_from_the_build_match_the_tokenizer_called_directly(shared_d
     assert all_rows(tmp_path, "train")[:, 1:-1].reshape(-1).tolist() == expected
 
 
+@pytest.mark.parametrize("name", ["nystromformer-tests/no-such-tokenizer", "tokenizers/roberta-bse"])
+def test_a_tokenizer_name_with_no_files_anywhere_is_an_error_not_an_empty_tokenizer(name, monkeypatch):
+    # Offline, transformers 5 "loads" a hub-shaped name it has no files for as a tokenizer of 5 special tokens:
+    # every text would encode to nothing (0 shards, or GLUE on empty inputs).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TokenizerError, match=rf"tokenizer '{name}' is neither a folder nor in the local Hugging "
+                                             rf"Face cache"):
+        load_tokenizer(name)
+
+
 def test_a_failed_build_writes_nothing_so_the_corrected_command_runs(partitions, trained_tokenizer, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(FileNotFoundError, match="stoies"):
@@ -259,7 +269,7 @@ def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, 
 def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partitions, trained_tokenizer, tmp_path,
                                                                        caplog):
     with caplog.at_level("WARNING", logger="nystromformer.data"):
-        stats = build(partitions, trained_tokenizer, tmp_path, datasets=("wiki", "stories:0.0001"))
+        stats = build(partitions, trained_tokenizer, tmp_path, datasets=("wiki", "stories:0.0001"), dev_run=1)
     assert stats["datasets"]["stories"]["sequences"] > 0 and stats["datasets"]["wiki"]["train_sequences"] > 0
     assert stats["datasets"]["stories"]["train_sequences"] + stats["datasets"]["stories"]["dev_sequences"] == 0
     [warning] = stats["warnings"]
@@ -339,3 +349,19 @@ def test_a_build_refuses_indexes_for_a_folder_whose_partitions_changed_after_the
         build(tmp_path / "parts", trained_tokenizer, tmp_path / "shards", datasets=("wiki",),
               on_partition_done=remove_the_last_partition)
     assert not (tmp_path / "shards" / "train.json").exists()
+
+
+def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_to_use(partitions, trained_tokenizer,
+                                                                                      tmp_path, caplog):
+    # Whole runs of --dev-run sequences go to dev: with fewer sequences than one run per partition file, each
+    # file goes one way, and a handful of files cannot make 10%.
+    with caplog.at_level("WARNING", logger="nystromformer.data"):
+        stats = build(partitions, trained_tokenizer, tmp_path / "runs", datasets=("wiki", "stories"), seq_len=16)
+    total = stats["train_sequences"] + stats["dev_sequences"]
+    [warning] = stats["warnings"]
+    assert f"the dev split holds {stats['dev_sequences']} of {total} sequences" in warning
+    assert "whole runs of --dev-run 8192 consecutive sequences" in warning and "--dev-run" in caplog.text
+    smaller = int(warning.rsplit("--dev-run ", 1)[1].split()[0])
+    rebuilt = build(partitions, trained_tokenizer, tmp_path / "smaller", datasets=("wiki", "stories"), seq_len=16,
+                    dev_run=smaller)
+    assert rebuilt["warnings"] == [] and 0.05 < rebuilt["dev_sequences"] / total < 0.15

@@ -20,6 +20,8 @@ from nystromformer.mlm import generator, mask_tokens
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
 from nystromformer.pretrain import (MAX_CONSECUTIVE_SKIPPED_STEPS, PREEMPTED_EXIT_CODE, NonFiniteLosses,
                                     TrainingDiverged, build_scheduler, pretrain)
+from nystromformer.shards import ShardError
+from nystromformer.validate import validate
 
 from helpers import SPECIAL, read_log, tiny_config, write_model_dir, write_synthetic_data
 
@@ -518,6 +520,17 @@ def test_pretraining_without_a_dev_split_but_with_dev_batches_is_refused_at_star
                                           r"but .*data/dev.json does not exist"):
         run(folder)
     assert not (folder / "model" / "pretrain_output.log").exists()
+
+
+def test_an_empty_dev_split_is_refused_at_start_rather_than_evaluated_as_a_zero_loss(tmp_path):
+    # e.g. a small build whose --dev-run sent every run of sequences to train
+    write_synthetic_data(tmp_path / "data", num_dev=0)
+    folder = model_dir(tmp_path)
+    with pytest.raises(ShardError, match=r"data/dev.json: the dev split holds no sequences; or set "
+                                         r"pretraining_setting.validate_batches_per_epoch to 0 in .*run/config.json"):
+        run(folder)
+    with pytest.raises(ShardError, match="the dev split holds no sequences"):
+        validate(load_config(folder))
 
 
 def test_a_diverging_loss_stops_the_run_naming_the_last_good_checkpoint(tmp_path, data):

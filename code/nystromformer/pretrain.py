@@ -41,7 +41,7 @@ from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evalua
                   mask_tokens, micro_batches, padding_mask, to_device)
 from .model import NystromformerForMaskedLM, masked_positions_of
 from .runtime import Runtime, barrier, setup_runtime
-from .shards import ShardedSequences
+from .shards import ShardedSequences, ShardError
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped before finishing", so restart policies retry
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
@@ -311,7 +311,15 @@ def _check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
 
 
 def check_data(cfg: Config, data: ShardedSequences) -> None:
+    """The data split is not empty and fits the model's settings."""
     meta, where = data.meta, f"{cfg.config_file}: model"
+    if len(data) == 0:
+        stats = data.folder / "stats.json"
+        raise ShardError(f"{data.folder / (data.split + '.json')}: the {data.split} split holds no sequences"
+                         + (f" (see the warnings in {stats}: a --dev-run too long for this data?)"
+                            if data.split == "dev" and stats.is_file() else "")
+                         + (f"; or set pretraining_setting.validate_batches_per_epoch to 0 in {cfg.config_file}"
+                            if data.split == "dev" else ""))
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"{where}.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({meta['vocab_size']} in {data.folder / 'meta.json'})")
@@ -348,6 +356,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
                               f"{ps.validate_batches_per_epoch} but {dev_path} does not exist; add a dev split to "
                               f"the data folder, or set it to 0 to pretrain without dev evaluation")
         dev = ShardedSequences(cfg.data_dir, "dev")
+        check_data(cfg, dev)
     special, vocab_size = train.meta["special_tokens"], train.meta["vocab_size"]
     data_id = data_fingerprint(cfg.data_dir, train)
 

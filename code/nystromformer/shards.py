@@ -96,6 +96,7 @@ class ShardedSequences:
     """All sequences of one split, addressed by a global row index, memory-mapped."""
 
     def __init__(self, folder: Union[str, Path], split: str):
+        self.split = split
         if split not in SPLITS:
             raise ShardError(f"unknown split {split!r} (expected one of {SPLITS})")
         self.folder = Path(folder)

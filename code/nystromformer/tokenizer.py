@@ -29,13 +29,18 @@ def load_tokenizer(name_or_path: Union[str, Path]):
         if (path / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(path))
         raise TokenizerError(f"{path}: no tokenizer files (expected vocab.json + merges.txt, or tokenizer.json)")
+    help = (f"Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, or "
+            f"train one with `nystromformer train-tokenizer`.")
     try:
-        return RobertaTokenizerFast.from_pretrained(str(name_or_path), local_files_only=True)
+        tokenizer = RobertaTokenizerFast.from_pretrained(str(name_or_path), local_files_only=True)
     except Exception as e:
-        raise TokenizerError(
-            f"tokenizer {str(name_or_path)!r} is neither a folder nor in the local Hugging Face cache ({e}). "
-            f"Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, "
-            f"or train one with `nystromformer train-tokenizer`.") from None
+        raise TokenizerError(f"tokenizer {str(name_or_path)!r} is neither a folder nor in the local Hugging Face "
+                             f"cache ({e}). {help}") from None
+    if len(tokenizer) <= len(SPECIAL_TOKEN_ATTRS):
+        # transformers 5 returns a tokenizer of only its special tokens for a hub name it has no files for
+        raise TokenizerError(f"tokenizer {str(name_or_path)!r} is neither a folder nor in the local Hugging Face "
+                             f"cache (transformers found no vocabulary for it: {len(tokenizer)} tokens). {help}")
+    return tokenizer
 
 
 def model_tokenizer(cfg) -> Union[Path, str]:
