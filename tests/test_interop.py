@@ -286,13 +286,18 @@ def test_glue_weights_export_as_sequence_classification(tmp_path, num_labels):
     model = randomize(NystromformerForSequenceClassification(mc, num_labels))
     folder = write_model_dir(tmp_path / "m", tiny_config(num_landmarks=8))
     weights = tmp_path / "best.model"
-    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": num_labels,
+    task = {1: "STS-B", 2: "RTE", 3: "MNLI"}[num_labels]  # as GLUE's best.model records it
+    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": num_labels, "task": task,
                                 "model_config": dataclasses.asdict(mc)})
     with pytest.raises(InteropError, match="--num-labels"):
         export_hf(load_config(folder), tmp_path / "x", glue_weights=weights, num_labels=num_labels + 1)
     out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     assert type(hf).__name__ == "NystromformerForSequenceClassification" and hf.config.num_labels == num_labels
+    if num_labels > 1:  # the task's label names, so that a transformers user knows which index means what
+        assert list(hf.config.id2label.values()) == {2: ["entailment", "not_entailment"],
+                                                     3: ["contradiction", "entailment", "neutral"]}[num_labels]
+    assert all((path.stat().st_mode & 0o777) == 0o666 & ~atomic.current_umask() for path in out.iterdir())
     ids = token_ids()
     with torch.no_grad():
         expected = model(ids)

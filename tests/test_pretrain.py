@@ -270,8 +270,10 @@ def test_from_cp_warm_starts_a_longer_model_by_tiling_position_embeddings(tmp_pa
 
     cfg = load_config(long)
     model = NystromformerForMaskedLM(cfg.model)
-    missing, unexpected = checkpoint.load_pretrained_weights(model, source, 512)
+    said = []
+    missing, unexpected = checkpoint.load_pretrained_weights(model, source, 512, log=said.append)
     assert missing == [] and unexpected == []
+    assert said == ["position embeddings tiled from 128 to 512 positions (4 copies of the checkpoint's)"]
     old = checkpoint.load(source)["model_state_dict"][checkpoint.POSITION_KEY]
     new = model.state_dict()[checkpoint.POSITION_KEY]
     assert new.shape == (514, old.shape[1])

@@ -135,7 +135,12 @@ def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_
                             log=print) -> Tuple[List[str], List[str]]:
     """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
     Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
-    state = extend_position_embeddings(load(path)["model_state_dict"], max_seq_len)
+    state = load(path)["model_state_dict"]
+    old_len = state[POSITION_KEY].shape[0] - POSITION_OFFSET if POSITION_KEY in state else max_seq_len
+    state = extend_position_embeddings(state, max_seq_len)
+    if old_len != max_seq_len:
+        log(f"position embeddings tiled from {old_len} to {max_seq_len} positions ({max_seq_len // old_len} copies "
+            f"of the checkpoint's)")
     own = model.state_dict()
     mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     if mismatched:

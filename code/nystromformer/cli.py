@@ -44,7 +44,10 @@ def script_main(prog: str, doc: str, add_arguments, run, argv: Optional[List[str
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nystromformer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="nystromformer", description="Nyströmformer pipeline: data preprocessing, pretraining, validation, GLUE, "
+        "transformers interop, LRA ListOps and the demo. `nystromformer COMMAND --help` for each; README.md and "
+        "docs/ for the workflows. A user's mistake prints one `error:` line and exits with status 2.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)

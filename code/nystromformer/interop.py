@@ -167,14 +167,17 @@ def to_hf_state_dict(state: Dict[str, torch.Tensor], mc: ModelConfig) -> Dict[st
 
 
 def build_hf_model(mc: ModelConfig, state: Dict[str, torch.Tensor], num_labels: Optional[int] = None,
-                   special_tokens: Optional[Dict[str, int]] = None):
-    """A transformers NystromformerForMaskedLM (or ...ForSequenceClassification when ``num_labels``) holding
-    our weights ``state``."""
+                   special_tokens: Optional[Dict[str, int]] = None, label_names: Optional[List[str]] = None):
+    """A transformers NystromformerForMaskedLM (or ...ForSequenceClassification when ``num_labels``, with
+    ``label_names`` as its id2label) holding our weights ``state``."""
     import transformers
 
     kwargs = hf_config_kwargs(mc, special_tokens)
     if num_labels is not None:
         kwargs["num_labels"] = num_labels
+        if label_names and len(label_names) == num_labels:
+            kwargs["id2label"] = dict(enumerate(label_names))
+            kwargs["label2id"] = {name: i for i, name in enumerate(label_names)}
         kwargs["problem_type"] = "regression" if num_labels == 1 else "single_label_classification"
         cls = transformers.NystromformerForSequenceClassification
     else:
@@ -196,8 +199,10 @@ def _special_tokens(cfg: Config) -> Dict[str, int]:
         return {}
 
 
-def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tensor], ModelConfig, int]:
-    """(state dict, model config, num_labels) of a fine-tuned NystromformerForSequenceClassification file."""
+def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tensor], ModelConfig, int,
+                                                             Optional[List[str]]]:
+    """(state dict, model config, num_labels, label names) of a fine-tuned NystromformerForSequenceClassification
+    file (label names from its GLUE task, when it records one)."""
     obj = checkpoint.load(path)
     state = obj["model_state_dict"]
     bad = [k for k in state if not k.startswith(("encoder.", "classifier."))]
@@ -209,7 +214,9 @@ def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tens
     else:  # the fine-tuning run may have tiled positions beyond the pretraining length
         rows = state[checkpoint.POSITION_KEY].shape[0] - POSITION_OFFSET
         mc = dataclasses.replace(cfg.model, max_seq_len=rows)
-    return state, mc, int(state["classifier.out_proj.weight"].shape[0])
+    from .glue.tasks import TASKS
+    task = TASKS.get(obj.get("task")) if isinstance(obj.get("task"), str) else None
+    return state, mc, int(state["classifier.out_proj.weight"].shape[0]), task.labels if task else None
 
 
 def _trained_model_config(saved: dict, cfg: Config, source: Path, log) -> ModelConfig:
@@ -253,7 +260,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
     weights and (when the model folder names one) the tokenizer."""
     output = Path(output)
     if glue_weights is not None:
-        state, mc, found = load_glue_weights(glue_weights, cfg)
+        state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
         if num_labels is not None and num_labels != found:
             raise InteropError(f"--num-labels {num_labels}, but {glue_weights} has a {found}-label classifier")
         num_labels = found
@@ -264,14 +271,18 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         source = checkpoint.find_model(cfg.checkpoint_dir, epoch)
         saved = checkpoint.load(source)
         state, mc, num_labels = saved["model_state_dict"], _trained_model_config(saved, cfg, source, log), None
+        label_names = None
     if output.exists() and not output.is_dir():
         raise InteropError(f"--output {output}: is a file; give a folder to write")
     _check_weights_fit(state, mc, num_labels, source)
     for note in check_exportable(mc):
         log(f"note: {note}")
-    model = build_hf_model(mc, state, num_labels, _special_tokens(cfg))
+    model = build_hf_model(mc, state, num_labels, _special_tokens(cfg), label_names)
     output.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(output))  # safetensors
+    for path in output.iterdir():  # transformers writes model.safetensors 0600: the umask's mode, as other files
+        if path.is_file():
+            path.chmod(0o666 & ~atomic.current_umask())
     try:
         tokenizer = model_tokenizer(cfg)
         tok = load_tokenizer(tokenizer)

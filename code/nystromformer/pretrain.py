@@ -642,7 +642,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=".", help="model folder holding config.json (default: current directory)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK when available, else cpu)")
     parser.add_argument("--stop-at-step", type=int, default=None,
-                        help="stop after this global step as if preempted (writes a resumable checkpoint)")
+                        help="stop after this global step as if preempted: writes a resumable checkpoint and exits "
+                             "with status 143, as after SIGTERM (0 if the run ends first)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
