@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from nystromformer import atomic
 from nystromformer.config import ModelConfig
@@ -417,3 +418,31 @@ def settings_from_args_for(argv):
     parser = argparse.ArgumentParser()
     add_glue_arguments(parser)
     return settings_from_args(parser.parse_args(argv))
+
+
+def test_the_majority_baseline_and_a_classifier_that_predicts_one_class_are_reported(shared_dir):
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner, evaluate, majority_baseline
+    from nystromformer.glue.tasks import TASKS, Example
+    from nystromformer.model import NystromformerForSequenceClassification
+    from nystromformer.tokenizer import load_tokenizer
+
+    rte = TASKS["RTE"]
+    train = [Example(str(i), "a", "b", label) for i, label in enumerate([1, 1, 1, 0])]
+    dev_labels = {"dev": [1, 0, 0, 0, 1]}
+    assert majority_baseline(rte, train, dev_labels) == pytest.approx(0.4)  # always 1 (not_entailment): 2 of 5
+    assert majority_baseline(TASKS["STS-B"], train, dev_labels) is None
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
+                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
+                      conv_kernel_size=3)
+    model = NystromformerForSequenceClassification(cfg, 2)
+    with torch.no_grad():  # a degenerate classifier: class 0 whatever the input
+        model.classifier.out_proj.weight.zero_()
+        model.classifier.out_proj.bias.copy_(torch.tensor([1.0, 0.0]))
+    dev = [Example(str(i), f"sentence {i}", "another one", label) for i, label in enumerate(dev_labels["dev"])]
+    loader = DataLoader(EncodedDataset(dev, tokenizer, 32, False), batch_size=2,
+                        collate_fn=PadCollator(tokenizer.pad_token_id, False))
+    metrics, one_class = evaluate(Runner(model, torch.device("cpu"), False), rte, {"dev": loader}, dev_labels)
+    assert one_class == ["dev"] and metrics["accuracy"] == pytest.approx(0.6)

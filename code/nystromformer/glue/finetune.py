@@ -20,6 +20,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -207,15 +208,28 @@ class Runner:
         return torch.cat(outputs).numpy()
 
 
-def evaluate(runner: Runner, task: Task, loaders: Dict[str, DataLoader], labels: Dict[str, list]) -> Dict[str, float]:
-    per_split = {}
+def evaluate(runner: Runner, task: Task, loaders: Dict[str, DataLoader],
+             labels: Dict[str, list]) -> Tuple[Dict[str, float], List[str]]:
+    """Dev metrics, and the splits on which a classifier predicted one class for every example."""
+    per_split, one_class = {}, []
     for split, loader in loaders.items():
         outputs = runner.predict(loader)
         predictions = outputs if task.is_regression else outputs.argmax(axis=-1)
         per_split[split] = split_metrics(task.name, predictions, labels[split])
         if not np.isfinite(outputs).all():  # argmax would turn NaN logits into class 0: a meaningless accuracy
             per_split[split] = {name: float("nan") for name in per_split[split]}
-    return combine_dev_metrics(per_split)
+        elif not task.is_regression and len(predictions) > 1 and len(set(predictions.tolist())) == 1:
+            one_class.append(split)
+    return combine_dev_metrics(per_split), one_class
+
+
+def majority_baseline(task: Task, train: List[Example], dev_labels: Dict[str, list]) -> Optional[float]:
+    """The dev score of always predicting the training set's commonest label (None for regression)."""
+    if task.is_regression:
+        return None
+    commonest = Counter(e.label for e in train).most_common(1)[0][0]
+    return task_score(combine_dev_metrics({split: split_metrics(task.name, [commonest] * len(labels), labels)
+                                           for split, labels in dev_labels.items()}))
 
 
 def _load_examples(glue_dir: Path, task: Task, split: str, log) -> List[Example]:
@@ -285,6 +299,9 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in dev_examples.items()) + " examples"
     log(f"fine-tuning {pretrained} on {task.name}: {_count(len(train_examples), 'train example')}, {dev_counts}, "
         f"{_count(total_steps, 'step')} on {device}")
+    baseline = majority_baseline(task, train_examples, dev_labels)
+    if baseline is not None:
+        log(f"{task.name}: always predicting the training set's commonest label scores {baseline:.4f} on dev")
 
     history: List[dict] = []
     best: Optional[dict] = None
@@ -306,7 +323,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
             batches += 1
             bar.set_postfix(loss=f"{loss_sum / batches:.4f}")
 
-        metrics = evaluate(runner, task, dev_loaders, dev_labels)
+        metrics, one_class = evaluate(runner, task, dev_loaders, dev_labels)
         entry = {"epoch": epoch, "train_loss": loss_sum / max(batches, 1), "dev": metrics,
                  "score": task_score(metrics), "lr": scheduler.get_last_lr()[0],
                  "elapsed_s": round(time.time() - start, 2)}
@@ -322,10 +339,14 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         atomic.write_text(log_file, "".join(json.dumps(h) + "\n" for h in history))
         log(f"{task.name} epoch {epoch}/{settings.epochs}: train loss {entry['train_loss']:.4f}, dev "
             + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if one_class:
+            log(f"warning: {task.name} epoch {epoch}: the model predicts one class for every {' and '.join(one_class)} "
+                f"example (a degenerate classifier: try another learning rate or more epochs)")
 
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
+              "majority_baseline_score": baseline,
               "submission": [], "submission_errors": [], "submission_missing": []}
     if math.isnan(best["score"]):
         # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
