@@ -16,8 +16,6 @@ import contextlib
 import errno
 import fcntl
 import gc
-import hashlib
-import json
 import math
 import os
 import signal
@@ -27,12 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import checkpoint, jsonlog
+from . import checkpoint
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
@@ -40,20 +37,15 @@ from .jsonlog import JsonLog
 from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate_fp16_safe, generator,
                   mask_tokens, micro_batches, padding_mask, to_device)
 from .model import NystromformerForMaskedLM, masked_positions_of
+from .resume import (check_data, check_resumable_config, check_resumable_data, check_same_step_on_every_rank,
+                     data_fingerprint, dev_point_missing, refuse_to_overwrite_history, rng_state, set_rng_state)
 from .runtime import Runtime, barrier, setup_runtime
-from .shards import ShardedSequences, ShardError
+from .shards import ShardedSequences
 
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM: "stopped before finishing", so restart policies retry
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT (Ctrl-C)
 LOG_NAME = "pretrain_output.log"
 LOCK_NAME = "pretrain.lock"
-# What identifies the training data, so that a resumed run reads the same sequences: the meta.json fields that
-# shape the token stream (not "tokenizer", an absolute path that differs between clusters and checkouts), the
-# shard list (file name, number of sequences) and, as reading all would take minutes on a full corpus, the first
-# and last rows of each shard. Bump DATA_RECORD_FORMAT when what is recorded changes.
-DATA_RECORD_FORMAT = 2
-DATA_META_KEYS = ("max_seq_len", "vocab_size", "dtype", "special_tokens", "datasets", "dev_fraction", "dev_run",
-                  "seed", "shard_size")  # a record is compared on the keys it holds: adding one needs no new format
 # fp16 with a GradScaler skips a step whose loss is not finite (the weights stay as they were), as an fp16
 # overflow in the forward pass can hit one batch and not the next; this many in a row is a divergence.
 MAX_CONSECUTIVE_SKIPPED_STEPS = 10
@@ -196,141 +188,6 @@ def build_scheduler(optimizer, cfg: Config):
         anneal_strategy="linear", cycle_momentum=False)
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# Keys that may change between a run and its resumption: they do not change what is computed.
-RESUME_MAY_CHANGE = {
-    "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
-    "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch"},
-    "gpu_setting": {"inst_per_gpu", "compile"},
-}
-
-
-def check_resumable_config(saved: Optional[dict], cfg: Config, path: str) -> None:
-    """Refuse to resume under a config that changes the run (schedule, data position, architecture): the
-    resumed run would silently differ from the one it continues."""
-    if not saved:
-        return
-    current = cfg.to_dict()
-    for section in ("model", "pretraining_setting", "gpu_setting"):
-        for key, old in saved.get(section, {}).items():
-            new = current[section].get(key)
-            if old != new and key not in RESUME_MAY_CHANGE[section]:
-                raise ConfigError(
-                    f"{cfg.config_file}: {section}.{key}: is {json.dumps(new)} but {path} was trained with "
-                    f"{json.dumps(old)}; resuming would not continue that run. Restore the value, or start a new "
-                    f'model folder with "from_cp" pointing at this checkpoint')
-
-
-def data_fingerprint(data_dir, train: ShardedSequences) -> dict:
-    """What identifies the training data (see DATA_META_KEYS): kept in every .cp, compared on resume."""
-    # ShardedSequences has checked that train.json's list matches the shards' shapes.
-    index = json.loads((data_dir / "train.json").read_text())
-    shards = [(entry["file"], int(entry["num_sequences"])) for entry in index["shards"]]
-    rows = hashlib.sha256()
-    for array in train.arrays:
-        if len(array):
-            rows.update(np.ascontiguousarray(array[[0, -1]]).tobytes())
-    return {"format": DATA_RECORD_FORMAT, "meta": {k: train.meta.get(k) for k in DATA_META_KEYS},
-            "shards": hashlib.sha256(json.dumps(shards).encode()).hexdigest(),
-            "num_shards": len(shards), "num_sequences": len(train), "rows": rows.hexdigest()}
-
-
-def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str, log=print) -> None:
-    """Refuse to resume on other training data than the checkpoint's."""
-    # A checkpoint from before this record (none), or with an older format (hashes of meta.json's raw bytes,
-    # which held the tokenizer's path): nothing comparable was kept, so it resumes unchecked, not refused.
-    if not isinstance(saved, dict) or saved.get("format") != DATA_RECORD_FORMAT:
-        log(f"warning: {path} has no record of its training data in this version's format; resuming without "
-            f"checking that {cfg.data_dir} is the same data")
-        return
-    meta = cfg.data_dir / "meta.json"
-    changed = [f"{meta}: {key} was {json.dumps(old)}, is {json.dumps(current['meta'].get(key))}"
-               for key, old in saved["meta"].items() if old != current["meta"].get(key)]
-    if saved["shards"] != current["shards"]:
-        changed.append(f"{cfg.data_dir / 'train.json'}: the shard list (file names and sequence counts) differs: "
-                       f"{saved['num_shards']} shard(s) of {saved['num_sequences']} sequences then, "
-                       f"{current['num_shards']} of {current['num_sequences']} now")
-    if saved["rows"] != current["rows"]:
-        changed.append(f"the training shards listed in {cfg.data_dir / 'train.json'}: their first or last rows "
-                       f"differ")
-    if changed:
-        raise ConfigError(
-            f"{cfg.config_file}: data_folder: {cfg.data_dir} is not the data {path} was trained on "
-            f"({'; '.join(changed)}); resuming would not continue that run. Restore the data, or start a new "
-            f"model folder with \"from_cp\" pointing at this checkpoint")
-
-
-def refuse_to_overwrite_history(ckpt_dir, log_path, batches_per_epoch: int, epochs: int,
-                                from_cp=None, config_file="config.json") -> None:
-    """With no resumable checkpoint, a fresh start would truncate the log and overwrite the checkpoints of an
-    earlier run: refuse if the folder holds any. A log of steps never checkpointed (a hard kill in the first
-    epoch) is no history: the fresh start redoes exactly those steps. Nor is ``from_cp``'s file, put there to
-    warm-start from, unless this run would overwrite it."""
-    source = from_cp.resolve() if from_cp is not None else None
-    if source is not None and source.is_file() and source.parent == ckpt_dir.resolve():
-        m = checkpoint.EPOCH_CP.match(source.name) or checkpoint.EPOCH_MODEL.match(source.name)
-        if checkpoint.STEP_CP.match(source.name) or (m and int(m.group(1)) < epochs):
-            raise ConfigError(
-                f"{config_file}: from_cp: {from_cp} lies in this run's checkpoint folder, where the run writes "
-                f"its own checkpoints and would overwrite it; move it out of {ckpt_dir} (or copy it to another "
-                f"name) and point from_cp there")
-    names = sorted(p.name for p in ckpt_dir.iterdir()
-                   if (checkpoint.EPOCH_CP.match(p.name) or checkpoint.EPOCH_MODEL.match(p.name)
-                       or checkpoint.STEP_CP.match(p.name)) and p.resolve() != source)
-    if log_path.is_file() and any(e.get("type") in ("dev", "preempted", "resume")
-                                  # the epoch's last step is logged before its checkpoint is written
-                                  or e.get("step", 0) > batches_per_epoch for e in jsonlog.read(log_path)):
-        names.append(log_path.name)
-    if names:
-        listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-        raise checkpoint.CheckpointError(
-            f"{ckpt_dir}: holds an earlier run ({listing}) but no readable .cp checkpoint to resume it from; "
-            f"starting over would overwrite it. Move or delete those files to start afresh, or restore a good "
-            f".cp to resume")
-
-
-def _check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
-    steps = torch.tensor([step, -step], device=rt.device)
-    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-    if steps[0].item() != -steps[1].item():
-        raise checkpoint.CheckpointError(
-            f"ranks resumed from different steps (between {-steps[1].item()} and {steps[0].item()}): every node "
-            f"must see the same checkpoint folder")
-
-
-def check_data(cfg: Config, data: ShardedSequences) -> None:
-    """The data split is not empty and fits the model's settings."""
-    meta, where = data.meta, f"{cfg.config_file}: model"
-    if len(data) == 0:
-        stats = data.folder / "stats.json"
-        raise ShardError(f"{data.folder / (data.split + '.json')}: the {data.split} split holds no sequences"
-                         + (f" (see the warnings in {stats}: a --dev-run too long for this data?)"
-                            if data.split == "dev" and stats.is_file() else "")
-                         + (f"; or set pretraining_setting.validate_batches_per_epoch to 0 in {cfg.config_file}"
-                            if data.split == "dev" else ""))
-    if meta["vocab_size"] > cfg.model.vocab_size:
-        raise ConfigError(f"{where}.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
-                          f"({meta['vocab_size']} in {data.folder / 'meta.json'})")
-    if meta["max_seq_len"] > cfg.model.max_seq_len:
-        raise ConfigError(f"{where}.max_seq_len: {cfg.model.max_seq_len} is shorter than the data's sequences "
-                          f"({meta['max_seq_len']} in {data.folder / 'meta.json'})")
-    if meta["special_tokens"]["pad"] != cfg.model.pad_token_id:
-        raise ConfigError(f"{where}.pad_token_id: {cfg.model.pad_token_id} differs from the data's pad id "
-                          f"{meta['special_tokens']['pad']} ({data.folder / 'meta.json'})")
-
-
 def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[int] = None,
              show_progress: bool = True) -> int:
     rt = setup_runtime(cfg.model.mixed_precision, device)
@@ -390,7 +247,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         checkpoint.remove_stale_temp_files(ckpt_dir)
     state = checkpoint.load_newest_resumable(ckpt_dir, ps.batches_per_epoch, log=say)
     if rt.world_size > 1:
-        _check_same_step_on_every_rank(state["step"] if state else 0, rt)
+        check_same_step_on_every_rank(state["step"] if state else 0, rt)
     if state is not None:
         check_resumable_config(state.get("config"), cfg, state["path"])
         check_resumable_data(state.get("data"), cfg, data_id, state["path"], log=say)
@@ -407,7 +264,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             log.truncate_after(step)
             log.write(type="resume", step=step, checkpoint=state["path"])
         # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
-        if dev is not None and step % ps.batches_per_epoch == 0 and _dev_point_missing(log.path, step, rt):
+        if dev is not None and step % ps.batches_per_epoch == 0 and dev_point_missing(log.path, step, rt):
             evaluate_dev(step // ps.batches_per_epoch - 1, step, " (the evaluation the stopped run did not do)")
         if finished:
             say(f"pretraining already finished: {step} steps in {state['path']}; nothing to do")
@@ -611,17 +468,6 @@ class NonFiniteLosses:
 def _stopped_exit_code(signum: int) -> int:
     """128 + the signal that stopped the run; --stop-at-step counts as a preemption (SIGTERM)."""
     return INTERRUPTED_EXIT_CODE if signum == signal.SIGINT else PREEMPTED_EXIT_CODE
-
-
-def _dev_point_missing(log_path, step: int, rt: Runtime) -> bool:
-    """Whether the log lacks the dev evaluation at ``step`` (decided alike on every rank: it is a collective)."""
-    entries = jsonlog.read(log_path) if log_path.is_file() else []
-    missing = not any(e.get("type") == "dev" and e.get("step") == step for e in entries)
-    if rt.world_size > 1:
-        flag = torch.tensor([float(missing)], device=rt.device)
-        dist.broadcast(flag, src=0)  # rank 0's log is the one written
-        missing = bool(flag.item())
-    return missing
 
 
 def _diverged_message(what: str, bad_step: int, ckpt_dir, batches_per_epoch: int) -> str:

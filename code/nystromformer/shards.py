@@ -4,7 +4,7 @@ A data folder holds:
 - ``meta.json``: ``{"format": "nystromformer-shards", "version": 1, "max_seq_len", "vocab_size", "dtype",
   "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``, plus what ``build-shards`` records of
   how it was built ("datasets", "dev_fraction", "dev_run", "seed", "shard_size"; a resumed pretraining run checks
-  them, pretrain.DATA_META_KEYS)
+  them, resume.DATA_META_KEYS)
 - ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "wiki--part-00000-train-00000.npy",
   "num_sequences": n}, ...]}`` (file names relative to the folder; ``build-shards`` names them
   ``<dataset>--<partition>-<split>-<k>.npy``, see ``data/build.py``; any name works)

@@ -29,8 +29,8 @@ def load_tokenizer(name_or_path: Union[str, Path]):
         if (path / "tokenizer.json").is_file():
             return PreTrainedTokenizerFast.from_pretrained(str(path))
         raise TokenizerError(f"{path}: no tokenizer files (expected vocab.json + merges.txt, or tokenizer.json)")
-    help = (f"Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, or "
-            f"train one with `nystromformer train-tokenizer`.")
+    help = ("Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, or "
+            "train one with `nystromformer train-tokenizer`.")
     try:
         tokenizer = RobertaTokenizerFast.from_pretrained(str(name_or_path), local_files_only=True)
     except Exception as e:

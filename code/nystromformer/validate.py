@@ -16,7 +16,7 @@ from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .mlm import evaluate_fp16_safe
 from .model import NystromformerForMaskedLM
-from .pretrain import check_data
+from .resume import check_data
 from .runtime import setup_runtime
 from .shards import ShardedSequences
 
