@@ -97,9 +97,10 @@ data-512: partitions ## shards of 512 tokens in data-preprocessing/512-roberta (
 data-4096: partitions ## shards of 4096 tokens in data-preprocessing/4096-roberta (reuses the partitions)
 	$(NYS) build-shards --seq-len 4096 --tokenizer $(TOKENIZER) --dev-run $(DEV_RUN) --output data-preprocessing/4096-roberta $(DATASETS)
 
-# One process: no torchrun (whose own traceback on Ctrl-C would look like a crash; the run stops cleanly anyway)
+# One process on one machine: no torchrun (whose own traceback on Ctrl-C would look like a crash; the run stops
+# cleanly anyway)
 pretrain: setup ## pretrain MODEL (resumes; NPROC=8 for 8 GPUs; multi-node: TORCHRUN_ARGS="--nnodes ...")
-ifeq ($(NPROC),1)
+ifeq ($(NPROC) $(TORCHRUN_ARGS),1 --standalone)
 	$(NYS) pretrain --model-dir $(MODEL)
 else
 	$(VENV)/bin/torchrun $(TORCHRUN_ARGS) --nproc_per_node $(NPROC) code/run_pretrain.py --model-dir $(MODEL)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nystromformer.data.build import BuildError, build_shards, parse_dataset
+from nystromformer.data.build import BuildError, build_shards, dev_split_warning, parse_dataset
 from nystromformer.data.partitions import write_partitions
 from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
 from nystromformer.data.tokenize import train_tokenizer
@@ -365,3 +365,8 @@ def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_t
     rebuilt = build(partitions, trained_tokenizer, tmp_path / "smaller", datasets=("wiki", "stories"), seq_len=16,
                     dev_run=smaller)
     assert rebuilt["warnings"] == [] and 0.05 < rebuilt["dev_sequences"] / total < 0.15
+    # Per sequence already, or nearly: no shorter run to suggest.
+    assert dev_split_warning(train=9, dev=0, dev_fraction=0.1, dev_run=1) == (
+        "the dev split holds 0 of 9 sequences (0.0%), not ~10%: too few sequences (9) for the fraction to come out "
+        "right")
+    assert dev_split_warning(train=900, dev=100, dev_fraction=0.1, dev_run=8192) is None

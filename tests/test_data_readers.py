@@ -133,6 +133,10 @@ def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tm
         (["build-shards", tmp_path / "stories", "--output", tmp_path / "shards", "--tokenizer",
           tmp_path / "no-tokenizer"], "no-tokenizer"),
         (["build-shards", f"{tmp_path / 'stories'}:2", "--output", tmp_path / "shards"], "ratio"),
+        (["build-shards", tmp_path / "stories", "--output", tmp_path / "stories" / "part-00000.txt" / "x"],
+         "is a file, not a folder"),
+        (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "stories" /
+          "part-00000.txt" / "x"], "is a file, not a folder"),
     ]
     for argv, named in mistakes:
         assert run_command(argv) == 2, argv

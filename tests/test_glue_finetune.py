@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -446,3 +447,28 @@ def test_the_majority_baseline_and_a_classifier_that_predicts_one_class_are_repo
                         collate_fn=PadCollator(tokenizer.pad_token_id, False))
     metrics, one_class = evaluate(Runner(model, torch.device("cpu"), False), rte, {"dev": loader}, dev_labels)
     assert one_class == ["dev"] and metrics["accuracy"] == pytest.approx(0.6)
+
+
+def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
+    # GPUs without bf16 fine-tune in fp16 (CPU autocast has it too): logits beyond its range must not become inf.
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner
+    from nystromformer.glue.tasks import Example
+    from nystromformer.model import NystromformerForSequenceClassification
+    from nystromformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
+                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
+                      conv_kernel_size=3)
+    model = NystromformerForSequenceClassification(cfg, 2)
+    with torch.no_grad():
+        model.classifier.out_proj.weight.fill_(1e7)  # weights and logits beyond fp16's 65504
+    dev = [Example(str(i), f"sentence {i}", "another one", 0) for i in range(3)]
+    loader = DataLoader(EncodedDataset(dev, tokenizer, 32, False), batch_size=2,
+                        collate_fn=PadCollator(tokenizer.pad_token_id, False))
+    runner = Runner(model, torch.device("cpu"), False)
+    runner.amp, runner.amp_dtype = True, torch.float16
+    outputs = runner.predict(loader)
+    assert np.isfinite(outputs).all() and np.abs(outputs).max() > 65504
+    assert runner.amp  # fp16 again for what follows

@@ -291,7 +291,13 @@ def test_glue_weights_export_as_sequence_classification(tmp_path, num_labels):
                                 "model_config": dataclasses.asdict(mc)})
     with pytest.raises(InteropError, match="--num-labels"):
         export_hf(load_config(folder), tmp_path / "x", glue_weights=weights, num_labels=num_labels + 1)
+    (tmp_path / "hf").mkdir()
+    private = tmp_path / "hf" / "notes.txt"  # a file of the user's in the output folder keeps its mode
+    private.write_text("mine")
+    private.chmod(0o600)
     out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
+    assert private.stat().st_mode & 0o777 == 0o600
+    private.unlink()
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     assert type(hf).__name__ == "NystromformerForSequenceClassification" and hf.config.num_labels == num_labels
     if num_labels > 1:  # the task's label names, so that a transformers user knows which index means what

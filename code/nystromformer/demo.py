@@ -125,11 +125,15 @@ def summary(out: Path, interrupted_at: int, task: str) -> str:
     return "\n".join(lines)
 
 
+def check_output(out: Path) -> None:
+    if out.exists() and not (out / MARKER).exists():
+        raise UserError(f"{out} exists and is not a demo output folder; choose another --output")
+
+
 def run_demo(out: Path) -> int:
     out = out.resolve()
+    check_output(out)
     if out.exists():
-        if not (out / MARKER).exists():
-            raise UserError(f"{out} exists and is not a demo output folder; choose another --output")
         shutil.rmtree(out)
     out.mkdir(parents=True)
     (out / MARKER).write_text("written by `nystromformer demo`; deleted and rewritten by the next demo run\n")
@@ -177,9 +181,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output(args.output.resolve())  # the user's choice of folder; past this, a failure is the demo's
     try:
         return run_demo(args.output)
-    except DemoError as e:  # a step failed (its own output is above): not the user's mistake
+    except (DemoError, UserError) as e:  # a step failed (its own output is above): not the user's mistake
         print(f"demo failed: {e}", file=sys.stderr)
         return 1
 

@@ -122,7 +122,8 @@ def check_exportable(mc: ModelConfig) -> List[str]:
             raise InteropError(f"model.pinv_iterations: {mc.pinv_iterations}; transformers always runs "
                                f"{HF_PINV_ITERATIONS} pseudo-inverse iterations")
     else:
-        if mc.attn_type == "nystrom" and (mc.inv_coeff_init_option != "original" or mc.pinv_iterations != HF_PINV_ITERATIONS):
+        if mc.attn_type == "nystrom" and (mc.inv_coeff_init_option != "original"
+                                          or mc.pinv_iterations != HF_PINV_ITERATIONS):
             notes.append("inv_coeff_init_option/pinv_iterations are unused (num_landmarks >= max_seq_len: "
                          "exact softmax), exported as transformers' defaults")
     if mc.attention_fp32:
@@ -279,9 +280,10 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         log(f"note: {note}")
     model = build_hf_model(mc, state, num_labels, _special_tokens(cfg), label_names)
     output.mkdir(parents=True, exist_ok=True)
+    before = {p: p.stat().st_mtime_ns for p in output.iterdir()}
     model.save_pretrained(str(output))  # safetensors
     for path in output.iterdir():  # transformers writes model.safetensors 0600: the umask's mode, as other files
-        if path.is_file():
+        if path.is_file() and before.get(path) != path.stat().st_mtime_ns:
             path.chmod(0o666 & ~atomic.current_umask())
     try:
         tokenizer = model_tokenizer(cfg)

@@ -59,7 +59,7 @@ def run_labels(folders: List[str]) -> Dict[str, Path]:
     paths = [Path(f).resolve() for f in folders]
     if len(set(paths)) < len(paths):
         twice = next(str(p) for p in paths if paths.count(p) > 1)
-        raise ValueError(f"--model-dir {twice} is given more than once")
+        raise UserError(f"--model-dir {twice} is given more than once")
     labels = {}
     for path in paths:
         for k in range(1, len(path.parts) + 1):

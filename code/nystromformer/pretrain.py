@@ -213,7 +213,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
                               f"{ps.validate_batches_per_epoch} but {dev_path} does not exist; add a dev split to "
                               f"the data folder, or set it to 0 to pretrain without dev evaluation")
         dev = ShardedSequences(cfg.data_dir, "dev")
-        check_data(cfg, dev)
+        check_data(cfg, dev, pretraining=True)
     special, vocab_size = train.meta["special_tokens"], train.meta["vocab_size"]
     data_id = data_fingerprint(cfg.data_dir, train)
 

@@ -138,7 +138,7 @@ def check_same_step_on_every_rank(step: int, rt: Runtime) -> None:
             f"must see the same checkpoint folder")
 
 
-def check_data(cfg: Config, data: ShardedSequences) -> None:
+def check_data(cfg: Config, data: ShardedSequences, pretraining: bool = False) -> None:
     """The data split is not empty and fits the model's settings."""
     meta, where = data.meta, f"{cfg.config_file}: model"
     if len(data) == 0:
@@ -147,7 +147,7 @@ def check_data(cfg: Config, data: ShardedSequences) -> None:
                          + (f" (see the warnings in {stats}: a --dev-run too long for this data?)"
                             if data.split == "dev" and stats.is_file() else "")
                          + (f"; or set pretraining_setting.validate_batches_per_epoch to 0 in {cfg.config_file}"
-                            if data.split == "dev" else ""))
+                            if data.split == "dev" and pretraining else ""))
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"{where}.vocab_size: {cfg.model.vocab_size} is smaller than the data's vocabulary "
                           f"({meta['vocab_size']} in {data.folder / 'meta.json'})")

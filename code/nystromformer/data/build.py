@@ -251,15 +251,17 @@ def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
     return False
 
 
-def _dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int) -> Optional[str]:
+def dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int) -> Optional[str]:
     """Whole runs of ``dev_run`` sequences go to dev: a build with few runs can miss the fraction badly (or get no
     dev sequence at all, and pretraining no dev evaluation)."""
     total = train + dev
     if not total or not dev_fraction or abs(dev / total - dev_fraction) <= dev_fraction / 2:
         return None
+    holds = f"the dev split holds {dev} of {total} sequences ({dev / total:.1%}), not ~{dev_fraction:.0%}"
     smaller = 1 << max(0, (total // 200).bit_length() - 1)  # ~200 runs or more: a fraction within a few percent
-    return (f"the dev split holds {dev} of {total} sequences ({dev / total:.1%}), not ~{dev_fraction:.0%}: it takes "
-            f"whole runs of --dev-run {dev_run} consecutive sequences, and this build has only ~"
+    if smaller >= dev_run:  # already per sequence, or nearly: too few sequences for any split to come out right
+        return f"{holds}: too few sequences ({total}) for the fraction to come out right"
+    return (f"{holds}: it takes whole runs of --dev-run {dev_run} consecutive sequences, and this build has only ~"
             f"{max(1, -(-total // dev_run))} of them; for data this small build again into a new folder with "
             f"--dev-run {smaller} or less")
 
@@ -376,7 +378,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
             log.warning("%s", stats["warnings"][-1])
     stats["train_sequences"] = sum(s.get("train_sequences", 0) for s in stats["datasets"].values())
     stats["dev_sequences"] = sum(s.get("dev_sequences", 0) for s in stats["datasets"].values())
-    split_warning = _dev_split_warning(stats["train_sequences"], stats["dev_sequences"], dev_fraction, dev_run)
+    split_warning = dev_split_warning(stats["train_sequences"], stats["dev_sequences"], dev_fraction, dev_run)
     if split_warning:
         stats["warnings"].append(split_warning)
         log.warning("%s", split_warning)

@@ -202,10 +202,17 @@ class Runner:
 
     @torch.no_grad()
     def predict(self, loader: DataLoader) -> np.ndarray:
-        """Logits (n, classes), or scores (n,) for regression, in dataset order."""
+        """Logits (n, classes), or scores (n,) for regression, in dataset order. fp16's range can overflow while
+        the weights are fine: then predicted again in fp32 (as pretraining's dev evaluation)."""
         self.model.eval()
-        outputs = [self.forward(batch).float().cpu() for batch in loader]
-        return torch.cat(outputs).numpy()
+        outputs = torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
+        if self.amp and self.amp_dtype == torch.float16 and not np.isfinite(outputs).all():
+            self.amp = False
+            try:
+                outputs = torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
+            finally:
+                self.amp = True
+        return outputs
 
 
 def evaluate(runner: Runner, task: Task, loaders: Dict[str, DataLoader],
