@@ -472,3 +472,16 @@ def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
     outputs = runner.predict(loader)
     assert np.isfinite(outputs).all() and np.abs(outputs).max() > 65504
     assert runner.amp  # fp16 again for what follows
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["glue-sweep", "--lrs", ""], "--lrs: give at least one value"),
+    (["glue-sweep", "--batch-sizes", ""], "--batch-sizes: give at least one value"),
+    (["glue", "--task", "RTE", "--max-train-examples", "0"], "--max-train-examples: must be at least 1, got 0"),
+    (["glue", "--task", "RTE", "--eval-batch-size", "0"], "--eval-batch-size: must be at least 1, got 0"),
+])
+def test_empty_grids_and_non_positive_sizes_are_one_error_line(tmp_path, capsys, flags, named):
+    from nystromformer.cli import main
+    assert main([*flags, "--model-dir", str(tmp_path), "--checkpoint", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {named}\n"

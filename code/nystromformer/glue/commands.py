@@ -9,7 +9,7 @@ import argparse
 from typing import List, Optional
 
 from ..cli import script_main
-from .finetune import DEFAULT_SEED, FinetuneSettings, finetune
+from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS
 
@@ -89,6 +89,9 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     if devices is None:
         import torch
         devices = [str(i) for i in range(torch.cuda.device_count())] or None
+    for flag, values in (("--tasks", tasks), ("--lrs", args.lrs), ("--batch-sizes", args.batch_sizes)):
+        if not values:
+            raise SettingsError(f"{flag}: give at least one value")
     base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
     common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
     # Parallel workers write to log files; bars from several processes would interleave.

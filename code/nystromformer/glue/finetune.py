@@ -87,6 +87,11 @@ class FinetuneSettings:
                              f"{self.batch_size}, {self.epochs})")
         if not 0 <= self.warmup < 1:
             raise SettingsError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup}")
+        for name in ("max_train_examples", "max_eval_examples", "max_seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise SettingsError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
+        if self.eval_batch_size < 1:
+            raise SettingsError(f"--eval-batch-size: must be at least 1, got {self.eval_batch_size}")
 
     @property
     def run_suffix(self) -> str:
