@@ -8,6 +8,8 @@ command=${1:-pretrain}
 [ $# -gt 0 ] && shift
 if [ "$command" = pretrain ]; then
   gpus=$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')
+  # One process: no torchrun, so that `docker stop` (SIGTERM) ends with the run's own status 143, not torchrun's 1
+  [ "$gpus" -eq 1 ] && exec "$python" "$home/code/run_pretrain.py" "$@"
   exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$gpus" "$home/code/run_pretrain.py" "$@"
 fi
 exec "$python" -m nystromformer.cli "$command" "$@"

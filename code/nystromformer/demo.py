@@ -23,6 +23,8 @@ from . import jsonlog
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
+from .pretrain import LOG_NAME as PRETRAIN_LOG, PREEMPTED_EXIT_CODE
+from .validate import LOG_NAME as VALIDATION_LOG
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "demo"
@@ -55,7 +57,7 @@ def train_steps(log: Path) -> List[int]:
 
 def pretrain_with_interruption(model_dir: Path) -> int:
     """Start pretraining, send SIGTERM (what `docker stop` sends) mid-epoch, then rerun the same command."""
-    log = model_dir / "model" / "pretrain_output.log"
+    log = model_dir / "model" / PRETRAIN_LOG
     cmd = [sys.executable, "-m", "nystromformer.cli", "pretrain", "--model-dir", str(model_dir)]
     print("$ nystromformer pretrain --model-dir " + str(model_dir) + f"   (SIGTERM at step ~{INTERRUPT_AT_STEP})", flush=True)
     proc = subprocess.Popen(cmd)
@@ -66,8 +68,8 @@ def pretrain_with_interruption(model_dir: Path) -> int:
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait()
     stopped = train_steps(log)[-1]
-    if rc != 143:
-        raise DemoError(f"the interrupted run exited with status {rc}, expected 143 (preempted)")
+    if rc != PREEMPTED_EXIT_CODE:
+        raise DemoError(f"the interrupted run exited with status {rc}, expected {PREEMPTED_EXIT_CODE} (preempted)")
     print(f"interrupted after step {stopped}; resuming with the same command", flush=True)
     nystromformer("pretrain", "--model-dir", model_dir)
     steps = train_steps(log)
@@ -109,7 +111,7 @@ def summary(out: Path, interrupted_at: int, task: str) -> str:
     unigram = most_frequent_token_share(out / "data-128")
     rows = ["| model | checkpoint | dev MLM loss | dev MLM accuracy |", "|---|---|---|---|"]
     for name in ("tiny-128", "tiny-512"):
-        for e in jsonlog.read(out / name / "model" / "validation_output.log"):
+        for e in jsonlog.read(out / name / "model" / VALIDATION_LOG):
             rows.append(f"| {name} | {e['checkpoint']} | {e['loss']:.3f} | {e['mlm_accu']:.3f} |")
     result = glue_result(out / "tiny-128", task)
     lines = [

@@ -6,12 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import List, Optional
 
 
 from . import checkpoint, jsonlog
+from .jsonlog import JsonLog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .mlm import evaluate_fp16_safe
@@ -55,8 +55,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
                                              ps.mask_prob, rt.device, rt.autocast_dtype)
         entry = {"checkpoint": path.name, "epoch": epoch, **metrics, "time": time.perf_counter() - t0,
                  **({"precision": "fp32 (fp16 overflowed)"} if redone else {})}
-        with open(cfg.checkpoint_dir / LOG_NAME, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        JsonLog(cfg.checkpoint_dir / LOG_NAME).write(**entry)
         print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f} "
               f"({entry['num_sequences']} sequences)")
         results.append(entry)
