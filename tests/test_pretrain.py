@@ -524,6 +524,16 @@ def test_pretraining_without_a_dev_split_but_with_dev_batches_is_refused_at_star
     assert not (folder / "model" / "pretrain_output.log").exists()
 
 
+def test_keep_resume_checkpoints_prunes_old_cp_files_but_every_model_file_stays(tmp_path, data):
+    # A .cp holds the optimizer state too (~3x the weights): 100 epochs of nystrom-512 would be ~150 GB of them.
+    folder = model_dir(tmp_path, pretraining_setting={"keep_resume_checkpoints": 2, "validate_batches_per_epoch": 0})
+    assert run(folder, stop_at_step=10) == PREEMPTED_EXIT_CODE
+    assert sorted(p.name for p in (folder / "model").glob("*.cp")) == ["cp-0000.cp", "cp-0001.cp", "step-00000010.cp"]
+    assert run(folder) == 0  # resumes from the newest, then keeps pruning
+    names = sorted(p.name for p in (folder / "model").glob("cp-*"))
+    assert names == ["cp-0000.model", "cp-0001.cp", "cp-0001.model", "cp-0002.cp", "cp-0002.model"]
+
+
 def test_an_empty_dev_split_is_refused_at_start_rather_than_evaluated_as_a_zero_loss(tmp_path):
     # e.g. a small build whose --dev-run sent every run of sequences to train
     write_synthetic_data(tmp_path / "data", num_dev=0)

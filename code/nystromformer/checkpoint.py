@@ -34,8 +34,9 @@ def model_path(checkpoint_dir: Path, epoch: int) -> Path:
     return Path(checkpoint_dir) / f"cp-{epoch:04d}.model"
 
 
-def save_epoch(checkpoint_dir: Path, epoch: int, state: dict) -> None:
-    """Write cp-NNNN.model then cp-NNNN.cp; the .cp, written last, marks the epoch complete."""
+def save_epoch(checkpoint_dir: Path, epoch: int, state: dict, keep: Optional[int] = None) -> None:
+    """Write cp-NNNN.model then cp-NNNN.cp; the .cp, written last, marks the epoch complete. ``keep``: how many
+    epoch .cp files to keep (the newest; None: all); every .model stays."""
     checkpoint_dir = Path(checkpoint_dir)
     weights = {"model_state_dict": state["model_state_dict"], "epoch": epoch, "step": state["step"],
                "config": state.get("config")}
@@ -46,6 +47,10 @@ def save_epoch(checkpoint_dir: Path, epoch: int, state: dict) -> None:
         m = STEP_CP.match(path.name)
         if m and int(m.group(1)) <= state["step"]:
             path.unlink()
+    if keep is not None:
+        epochs = sorted(int(m.group(1)) for p in checkpoint_dir.glob("cp-*.cp") if (m := EPOCH_CP.match(p.name)))
+        for old in epochs[:-keep]:
+            (checkpoint_dir / f"cp-{old:04d}.cp").unlink()
 
 
 def save_preempted(checkpoint_dir: Path, state: dict) -> Path:

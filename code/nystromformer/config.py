@@ -125,6 +125,9 @@ class PretrainingConfig:
     adam_eps: float = 1e-6
     max_grad_norm: Optional[float] = None
     seed: int = 0
+    # How many epoch-end .cp files (weights + optimizer state, ~3x the weights) to keep; null keeps all, as the
+    # paper. Every cp-XXXX.model (weights only) is kept regardless.
+    keep_resume_checkpoints: Optional[int] = None
 
     def validate(self, prefix: str = "pretraining_setting") -> None:
         for name in ("batch_size", "batches_per_report", "batches_per_epoch", "epoch"):
@@ -138,6 +141,9 @@ class PretrainingConfig:
         _check(self.adam_eps > 0, f"{prefix}.adam_eps", "must be > 0")
         if self.max_grad_norm is not None:
             _check(self.max_grad_norm > 0, f"{prefix}.max_grad_norm", "must be > 0 (or null to disable)")
+        if self.keep_resume_checkpoints is not None:
+            _check(self.keep_resume_checkpoints >= 1, f"{prefix}.keep_resume_checkpoints",
+                   f"must be >= 1 (or null to keep all), got {self.keep_resume_checkpoints}")
 
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")

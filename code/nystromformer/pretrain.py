@@ -417,7 +417,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
 
         # Checkpoint first: a preemption's grace period (10 s for `docker stop`) may not cover the dev pass.
         if rt.is_main:
-            checkpoint.save_epoch(ckpt_dir, epoch, state_dict())
+            checkpoint.save_epoch(ckpt_dir, epoch, state_dict(), keep=ps.keep_resume_checkpoints)
         barrier(rt)
         signum = preemption.agreed(rt)
         stopping = signum or (stop_at_step is not None and step >= stop_at_step)

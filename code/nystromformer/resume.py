@@ -40,7 +40,7 @@ def set_rng_state(state: dict) -> None:
 # Keys that may change between a run and its resumption: they do not change what is computed.
 RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
-    "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch"},
+    "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
     "gpu_setting": {"inst_per_gpu", "compile"},
 }
 
