@@ -126,7 +126,7 @@ class PretrainingConfig:
     max_grad_norm: Optional[float] = None
     seed: int = 0
     # How many epoch-end .cp files (weights + optimizer state, ~3x the weights) to keep; null keeps all, as the
-    # paper. Every cp-XXXX.model (weights only) is kept regardless.
+    # paper. Every cp-NNNN.model (weights only) is kept regardless.
     keep_resume_checkpoints: Optional[int] = None
 
     def validate(self, prefix: str = "pretraining_setting") -> None:
