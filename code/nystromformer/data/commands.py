@@ -5,6 +5,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..cli import add_subcommand
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
 
 
@@ -88,18 +89,15 @@ def cmd_build_shards(args) -> int:
     return 0
 
 
-def add_commands(subparsers) -> None:
-    from .build import DEV_RUN, SHARD_SIZE
-    from .partitions import WORDS_PER_PARTITION
-
-    p = subparsers.add_parser("extract-wiki", help="extract article text from a Wikipedia XML dump (wikiextractor)")
+def add_extract_wiki_arguments(p) -> None:
     p.add_argument("--dump", type=Path, required=True, help="enwiki-*-pages-articles.xml.bz2")
     p.add_argument("--output", type=Path, required=True, help="folder for wikiextractor's <doc> files")
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     p.add_argument("--bytes", default="100M", help="size of each output file (wikiextractor --bytes)")
-    p.set_defaults(func=cmd_extract_wiki)
 
-    p = subparsers.add_parser("preprocess", help="read one corpus into plain-text partitions")
+
+def add_preprocess_arguments(p) -> None:
+    from .partitions import WORDS_PER_PARTITION
     p.add_argument("dataset", choices=sorted(READERS))
     p.add_argument("--input", type=Path, nargs="+", required=True,
                    help="input files or folders (wiki: wikiextractor output; bookcorpus: books_large_p*.txt, or a "
@@ -115,16 +113,17 @@ def add_commands(subparsers) -> None:
     p.add_argument("--document-per-file", action="store_true",
                    help="bookcorpus only: one .txt file per book, blank lines between paragraphs; each file is one "
                         "document (default: the books_large_p*.txt layout, see --sentences-per-document)")
-    p.set_defaults(func=cmd_preprocess)
 
-    p = subparsers.add_parser("train-tokenizer", help="train a byte-level BPE (RoBERTa special tokens)")
+
+def add_train_tokenizer_arguments(p) -> None:
     p.add_argument("--input", type=Path, nargs="+", required=True, help="partition folders")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--vocab-size", type=int, default=50265)
     p.add_argument("--min-frequency", type=int, default=2)
-    p.set_defaults(func=cmd_train_tokenizer)
 
-    p = subparsers.add_parser("build-shards", help="tokenise partitions into fixed-length sequence shards")
+
+def add_build_shards_arguments(p) -> None:
+    from .build import DEV_RUN, SHARD_SIZE
     p.add_argument("datasets", nargs="+", metavar="PARTITIONS_DIR[:RATIO]",
                    help="partition folders, each with an optional sampling ratio in (0, 1] (paper: wiki and "
                         "bookcorpus 1, realnews and stories 0.333)")
@@ -139,4 +138,18 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes encoding partition files in parallel")
-    p.set_defaults(func=cmd_build_shards)
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "extract-wiki", "extract article text from a Wikipedia XML dump (wikiextractor)",
+                   "Extract article text from a Wikipedia XML dump with wikiextractor (step 2 of "
+                   "data-preprocessing/README.md).", add_extract_wiki_arguments, cmd_extract_wiki)
+    add_subcommand(subparsers, "preprocess", "read one corpus into plain-text partitions",
+                   "Read one corpus into plain-text partitions (step 3 of data-preprocessing/README.md).",
+                   add_preprocess_arguments, cmd_preprocess)
+    add_subcommand(subparsers, "train-tokenizer", "train a byte-level BPE (RoBERTa special tokens)",
+                   "Train a byte-level BPE with RoBERTa's special tokens on partition folders.",
+                   add_train_tokenizer_arguments, cmd_train_tokenizer)
+    add_subcommand(subparsers, "build-shards", "tokenise partitions into fixed-length sequence shards",
+                   "Tokenise partitions into fixed-length sequence shards (step 5 of data-preprocessing/README.md; "
+                   "formats in docs/data.md).", add_build_shards_arguments, cmd_build_shards)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ..cli import script_main
+from ..cli import add_subcommand, script_main
 from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS
@@ -104,15 +104,12 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     return 1 if outcome["failed"] else 0
 
 
-def add_commands(subparsers) -> None:
-    p = subparsers.add_parser("glue", help="fine-tune a pretraining checkpoint on one GLUE task",
-                              description="Fine-tune cp-N.model of a model folder on a GLUE task; see docs/glue.md.")
-    add_glue_arguments(p)
-    p.set_defaults(func=cmd_glue)
+GLUE_DOC = "Fine-tune cp-N.model of a model folder on a GLUE task; see docs/glue.md."
+SWEEP_DOC = ("Fine-tune every (task, lr, batch size) of a grid and summarise the best dev scores; finished runs are "
+             "skipped. See docs/glue.md.")
 
-    p = subparsers.add_parser("glue-sweep", help="the paper's GLUE grid (lr x batch size) with a summary",
-                              description="Fine-tune every (task, lr, batch size) of a grid and summarise the "
-                                          "best dev scores; finished runs are skipped. See docs/glue.md.")
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", "--task", default="all",
                    help=f"comma-separated tasks, or 'all' ({', '.join(TASKS)}); default all")
     p.add_argument("--lrs", type=_floats, default=list(PAPER_LRS),
@@ -124,10 +121,16 @@ def add_commands(subparsers) -> None:
                    help="comma-separated CUDA_VISIBLE_DEVICES values, one parallel run each "
                         "(default: every visible GPU; sequential with fewer than two)")
     _add_common(p)
-    p.set_defaults(func=cmd_glue_sweep)
+
+
+def add_commands(subparsers) -> None:
+    add_subcommand(subparsers, "glue", "fine-tune a pretraining checkpoint on one GLUE task", GLUE_DOC,
+                   add_glue_arguments, cmd_glue)
+    add_subcommand(subparsers, "glue-sweep", "the paper's GLUE grid (lr x batch size) with a summary", SWEEP_DOC,
+                   add_sweep_arguments, cmd_glue_sweep)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """``run_glue.py``: the ``glue`` command on its own."""
-    return script_main("run_glue.py", "Fine-tune a pretraining checkpoint on a GLUE task (same as `nystromformer "
-                       "glue`); see docs/glue.md.", add_glue_arguments, cmd_glue, argv)
+    return script_main("run_glue.py", GLUE_DOC + " (Same as `nystromformer glue`.)", add_glue_arguments, cmd_glue,
+                       argv)
