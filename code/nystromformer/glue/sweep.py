@@ -236,8 +236,9 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
 
     plot = _plot_dev_scores(results, out / "dev_scores.png") if results else None
     unfinished = sum(not is_finished(read_result(checkpoint_dir, s), glue_dir) for s in runs)
-    log(f"sweep summary of {len(rows)} finished run(s) ({unfinished} of this sweep's {len(runs)} unfinished); "
-        f"written to {out}")
+    state = (f"all {len(runs)} of this sweep's runs are finished" if not unfinished else
+             f"{unfinished} of this sweep's {len(runs)} runs are not finished: rerun the sweep to complete them")
+    log(f"sweep summary of {len(rows)} finished run(s) written to {out}; {state}")
     return {"dir": str(out), "csv": str(out / "summary.csv"), "markdown": str(out / "summary.md"),
             "plot": plot, "rows": rows, "settings": shared, "best_per_task": best_per_task, "average": average,
             "average_tasks": list(best_per_task), "average_label": average_label,
