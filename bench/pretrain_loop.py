@@ -9,7 +9,7 @@ runs both, in one process, for our nystrom and softmax models:
 
 and prints one table: tokens/s of both, loop ÷ bare (what the loop's data preparation, masking, logging and
 host-device syncs cost) and nystrom ÷ softmax for each. Model settings: nystrom-512/config.json's (conv 65,
-64 landmarks, attention_fp32 as there, bf16 autocast on a GPU with bf16) with the sizes given here.
+64 landmarks, bf16 autocast on a GPU with bf16) with the sizes and --attention-fp32 given here.
 
     python bench/pretrain_loop.py                                        # GPU: n 512, batch 32, 30 steps
     python bench/pretrain_loop.py --seq-len 4096 --batch 4
@@ -53,7 +53,8 @@ def write_random_shards(folder: Path, seq_len: int, vocab_size: int, count: int)
 
 def model_folder(root: Path, attn_type: str, args) -> Path:
     config = json.loads((REPO / "nystrom-512" / "config.json").read_text())
-    config["model"].update(attn_type=attn_type, max_seq_len=args.seq_len, num_layers=args.layers)
+    config["model"].update(attn_type=attn_type, max_seq_len=args.seq_len, num_layers=args.layers,
+                           attention_fp32=args.attention_fp32 == "true")
     config["pretraining_setting"].update(batch_size=args.batch, epoch=1, batches_per_epoch=args.steps,
                                          validate_batches_per_epoch=0, batches_per_report=1)
     config["gpu_setting"] = {"inst_per_gpu": args.batch, "compile": args.compile}
@@ -100,6 +101,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="timed steps (after --warmup) of each")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", default="none", choices=COMPILE_MODES)
+    ap.add_argument("--attention-fp32", default="false", choices=["true", "false"],
+                    help="model.attention_fp32 (false: attention in bf16, as model_speed's main rows and the "
+                         "issue's SDPA baseline; nystrom-512/config.json has true)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     rows = {}
@@ -118,7 +122,8 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# pretraining loop vs bare step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
-          f"compile={args.compile}, {args.steps - args.warmup} timed steps, device={dev}, torch {torch.__version__}")
+          f"compile={args.compile}, attention_fp32={args.attention_fp32}, {args.steps - args.warmup} timed steps, "
+          f"device={dev}, torch {torch.__version__}")
     print("| model | loop tokens/s | bare tokens/s | loop ÷ bare | loop × softmax | bare × softmax |")
     print("|---|---|---|---|---|---|")
     soft_loop, soft_bare = rows["softmax"]
