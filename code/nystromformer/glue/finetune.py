@@ -210,13 +210,17 @@ class Runner:
         """Logits (n, classes), or scores (n,) for regression, in dataset order. fp16's range can overflow while
         the weights are fine: then predicted again in fp32 (as pretraining's dev evaluation)."""
         self.model.eval()
-        outputs = torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
-        if self.amp and self.amp_dtype == torch.float16 and not np.isfinite(outputs).all():
-            self.amp = False
+
+        def predict_all(amp: bool) -> np.ndarray:
+            self.amp, was = amp, self.amp
             try:
-                outputs = torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
+                return torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
             finally:
-                self.amp = True
+                self.amp = was
+
+        outputs = predict_all(self.amp)
+        if self.amp and self.amp_dtype == torch.float16 and not np.isfinite(outputs).all():
+            outputs = predict_all(False)
         return outputs
 
 
