@@ -242,8 +242,9 @@ def _check_weights_fit(state: Dict[str, torch.Tensor], mc: ModelConfig, num_labe
                        source: Path) -> None:
     """Refuse, naming the first weight, a checkpoint that the model settings do not describe (rather than export
     a model that computes something else)."""
-    model = (NystromformerForMaskedLM(mc) if num_labels is None
-             else NystromformerForSequenceClassification(mc, num_labels))
+    with torch.device("meta"):  # shapes only: no memory, no initialisation work
+        model = (NystromformerForMaskedLM(mc) if num_labels is None
+                 else NystromformerForSequenceClassification(mc, num_labels))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k: tuple(v.shape) for k, v in state.items()}
     for key in sorted(expected.keys() | found.keys()):
