@@ -8,6 +8,11 @@ or bf16 (8 bits), accumulates in fp64, and compares Z and the attention output k
 computation, on landmarks of several scales (larger scores: a sharper, better conditioned kernel_2). For scale,
 the last column is the error of rounding the exact output to bf16 once — what any bf16 attention output has.
 
+A second table asks the same of the backward, which costs ~90 products per matrix against the forward's 24: could
+it use the derivative of the exact inverse, dA = −Zᵀ·dZ·Zᵀ (2 products), instead of differentiating the 6 steps?
+Only if the iteration has converged; the table compares the gradients of q and k through the attention output,
+fp64, "implicit" against "unrolled" (the reference's autograd through the steps).
+
     python bench/pinv_precision.py            # ~20 s
 """
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 
-from nystromformer.attention.nystrom import pinv_init  # noqa: E402
+from nystromformer.attention.nystrom import iterative_pinv, pinv_init  # noqa: E402
 
 
 def round_to(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -61,6 +66,37 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+class ImplicitPinv(torch.autograd.Function):
+    """The iteration forward; backward as if Z were the exact inverse of A: dA = −Zᵀ dZ Zᵀ."""
+
+    @staticmethod
+    def forward(ctx, a, iters):
+        z = iterative_pinv(a, iters)
+        ctx.save_for_backward(z)
+        return z
+
+    @staticmethod
+    def backward(ctx, grad_z):
+        z_t = ctx.saved_tensors[0].transpose(-1, -2)
+        return -z_t @ grad_z @ z_t, None
+
+
+def attention_gradients(q, k, v, grad_out, m: int, iters: int, implicit: bool):
+    """Gradients of q, k through the reference's Nyström output (no conv), fp64, all matrices one batch."""
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    scale = q.shape[-1] ** -0.25
+    qs, ks = q * scale, k * scale
+    n = q.shape[-2]
+    q_land = qs.reshape(*qs.shape[:-2], m, n // m, qs.shape[-1]).mean(-2)
+    k_land = ks.reshape(*ks.shape[:-2], m, n // m, ks.shape[-1]).mean(-2)
+    kernel_1 = torch.softmax(qs @ k_land.transpose(-1, -2), dim=-1)
+    kernel_2 = torch.softmax(q_land @ k_land.transpose(-1, -2), dim=-1)
+    kernel_3 = torch.softmax(q_land @ ks.transpose(-1, -2), dim=-1)
+    z = ImplicitPinv.apply(kernel_2, iters) if implicit else iterative_pinv(kernel_2, iters)
+    out = kernel_1 @ z @ (kernel_3 @ v)
+    return torch.autograd.grad(out, (q, k), grad_out), kernel_2.detach(), z.detach()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=512)
@@ -68,6 +104,8 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch-heads", type=int, default=24)
     ap.add_argument("--scales", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    ap.add_argument("--gradient-steps", type=int, nargs="+", default=[6, 30],
+                    help="iteration counts for the backward table (the paper: 6; 30: converged, where both must agree)")
     args = ap.parse_args(argv)
     n, m, d = args.n, args.landmarks, args.head_dim
     print(f"# landmark middle, relative error against fp64: n={n}, {m} landmarks, head_dim {d}, "
@@ -91,6 +129,22 @@ def main(argv=None):
         print(f"| {s:g} | {cond:.3g} | {rel(z_tf32, z64):.1e} | {rel(z_bf16, z64):.1e} | {rel(z_mix, z64):.1e} "
               f"| {rel(out_tf32, out64):.1e} | {rel(out_bf16, out64):.1e} | {rel(out_mix, out64):.1e} "
               f"| {rel(round_to(out64, 8), out64):.1e} |")
+
+    print()
+    print(f"# backward: derivative of the exact inverse (-Zᵀ dZ Zᵀ) against differentiating the steps, relative "
+          f"error of the q, k gradients, fp64, {args.batch_heads} matrices")
+    print("| q, k scale | steps | kernel_2 condition (median) | ‖ZA − I‖ / ‖I‖ | dq | dk |")
+    print("|---|---|---|---|---|---|")
+    for s in args.scales:
+        for iters in args.gradient_steps:
+            g = torch.Generator().manual_seed(int(s * 1000) + 1)
+            q, k, v, grad_out = (torch.randn(1, args.batch_heads, n, d, generator=g, dtype=torch.float64)
+                                 for _ in range(4))
+            (dq, dk), a, z = attention_gradients(q * s, k * s, v, grad_out, m, iters, implicit=False)
+            (dq_i, dk_i), _, _ = attention_gradients(q * s, k * s, v, grad_out, m, iters, implicit=True)
+            cond = torch.linalg.cond(a).median().item()
+            unconverged = rel(z @ a, torch.eye(m, dtype=a.dtype))
+            print(f"| {s:g} | {iters} | {cond:.3g} | {unconverged:.1e} | {rel(dq_i, dq):.1e} | {rel(dk_i, dk):.1e} |")
 
 
 if __name__ == "__main__":
