@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
 #   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
-#   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core
+#   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core,
+#                                         # and the iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
@@ -60,6 +61,10 @@ stage_pinv() {
 stage_middle() {
   local d=$RESULTS/middle; mkdir -p "$d"
   limited "$python" bench/pinv_speed.py --middle-only | tee "$d/middle.md"
+  # The iteration with mma.sync instead of wgmma (Triton's process-wide DISABLE_MMA_V3, part of its cache key):
+  # 96 KB of shared memory in the backward instead of 160, so two programs per SM instead of one (ptxas, sm_90).
+  limited env DISABLE_MMA_V3=1 "$python" bench/pinv_speed.py --matrices 1536 192 --precisions tf32 \
+    --warps 4,4 8,8 | tee "$d/mma-sync.md"
 }
 
 stage_attention() {
