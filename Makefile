@@ -44,7 +44,7 @@ TORCHRUN_ARGS ?= --standalone
 IMAGE ?= nystromformer:latest
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test demo partitions clean-partitions data-512 data-4096
+.PHONY: help setup constraints test demo partitions clean-partitions data-512 data-4096
 .PHONY: pretrain validate glue glue-sweep docker-build docker-pretrain
 
 help: ## list the targets
@@ -52,11 +52,19 @@ help: ## list the targets
 
 setup: $(VENV)/.installed ## create .venv and install the project with its test tools
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -c constraints.txt
 	mkdir -p $(STAMPS) && touch $@
+
+# Re-resolve: the newest releases within pyproject.toml's ranges, in a scratch venv, pinned into constraints.txt.
+constraints: ## re-pin constraints.txt to the newest releases pyproject.toml allows (then: make test)
+	rm -rf .venv-resolve && $(PYTHON) -m venv .venv-resolve
+	.venv-resolve/bin/python -m pip install -q -e '.[test]'
+	{ sed -n '/^#/p' constraints.txt; .venv-resolve/bin/python -m pip freeze --exclude-editable \
+	  | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+	rm -rf .venv-resolve
 
 test: setup ## run the test suite (GPU tests skip on CPU)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests ran"; rc=0; fi; exit $$rc

@@ -41,6 +41,26 @@ def test_image_requirements_are_the_project_dependencies_without_torch():
     assert sorted(d for d in deps if not d.startswith("torch")) == sorted(line for line in image if line)
 
 
+def test_constraints_pin_every_dependency_to_a_version_pyproject_allows():
+    # `make setup` (CI) installs with -c constraints.txt: a new upstream release cannot change a clean checkout's
+    # environment, and the pins stay inside pyproject.toml's ranges.
+    from packaging.requirements import Requirement
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement = Requirement(line)
+            (specifier,) = requirement.specifier
+            assert specifier.operator == "==", line
+            pins[requirement.name.lower().replace("_", "-")] = specifier.version
+    for line in project["dependencies"] + project["optional-dependencies"]["test"]:
+        requirement = Requirement(line)
+        name = requirement.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not pinned in constraints.txt (make constraints)"
+        assert requirement.specifier.contains(pins[name]), (line, pins[name])
+    assert "-c constraints.txt" in (REPO / "Makefile").read_text()
+
+
 def dockerfile_value(instruction: str) -> str:
     lines = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith(instruction + " ")]
     return lines[-1][len(instruction) + 1:]
