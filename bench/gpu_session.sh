@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
 #   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
 #   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core,
-#                                         # and the iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
+#                                         # each with the iteration's backward direct or transposed, and the
+#                                         # iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096

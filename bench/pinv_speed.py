@@ -7,7 +7,9 @@ the relative error of the output and of the gradient against float64. One table,
 A second table times the whole landmark middle, pinv(softmax(Q̃K̃ᵀ/√d)) @ W from bf16 landmarks (what sits between
 the two attention passes): PyTorch ops around the pinv kernel (``NYSTROM_TRITON=1``) against the fused
 ``landmark_core`` kernels (``=all``) — with the backward replaying the forward and with the forward keeping its
-iterates (``CORE_KEEP_MAX``), and split as ``NYSTROM_OVERLAP=1`` runs it — with the launches each makes.
+iterates (``CORE_KEEP_MAX``), and split as ``NYSTROM_OVERLAP=1`` runs it — with the launches each makes. Both tables
+also time the iteration's backward in its transposed form (``PINV_BACKWARD_TRANSPOSED``: less shared memory, so
+two programs per SM).
 
     python bench/pinv_speed.py                    # CUDA
     python bench/pinv_speed.py --matrices 1536 --m 64 --precisions tf32 --warps 8,8
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,12 +30,25 @@ from nystromformer.attention import nystrom_fast, nystrom_triton  # noqa: E402
 from nystromformer.attention.nystrom import iterative_pinv, pinv_init  # noqa: E402
 
 
-def bench(fn, repeat=20):
+REPEAT = 20
+
+
+def bench(fn):
+    """Median ms of fn over REPEAT calls after 3 warm-up calls: CUDA events on a GPU; on the CPU (a smoke run
+    under Triton's interpreter, figures meaningless) wall time."""
+    if not torch.cuda.is_available():
+        fn()
+        times = []
+        for _ in range(REPEAT):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(repeat):
+    for _ in range(REPEAT):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record(); fn(); e.record(); torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
@@ -47,9 +63,14 @@ def main(argv=None):
     ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3", "tf32"])
     ap.add_argument("--warps", nargs="+", default=["4,4", "4,8", "8,8", "8,16", "8,4"],
                     help="forward,backward warps per program")
+    ap.add_argument("--backward-forms", nargs="+", default=["direct", "transposed"],
+                    choices=["direct", "transposed"], help="the iteration's backward (PINV_BACKWARD_TRANSPOSED)")
     ap.add_argument("--middle-only", action="store_true", help="only the landmark-middle table")
+    ap.add_argument("--repeat", type=int, default=REPEAT, help="timed calls per row (median)")
     args = ap.parse_args(argv)
-    dev = torch.device("cuda")
+    globals()["REPEAT"] = args.repeat
+    # Without CUDA: a smoke run (TRITON_INTERPRET=1, tiny --matrices / --m) that checks the script, not speed.
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.middle_only:
         pinv_table(args, dev)
     middle_table(args, dev)
@@ -73,8 +94,9 @@ def middle_table(args, dev, d=64):
         ref = nystrom_fast.landmark_middle(*x64, args.iters, "original", False, "ieee")
         ref_grads = torch.autograd.grad(ref, x64, gout)
         xs = [t.detach().bfloat16().requires_grad_() for t in x64]
-        for name, core, keep_max, split in MIDDLES:
+        for name, core, keep_max, split, transposed, core_warps in MIDDLES:
             nystrom_triton.CORE_KEEP_MAX = keep_max if keep_max is not None else bsz
+            nystrom_triton.PINV_BACKWARD_TRANSPOSED, nystrom_triton.CORE_WARPS = transposed, core_warps
             if split:  # NYSTROM_OVERLAP=1's form (here on one stream): Z from the core's kernels, then a bmm
                 fn = lambda *t: nystrom_fast.times_w(  # noqa: E731
                     nystrom_fast.landmark_pinv(t[0], t[1], args.iters, "original", True, "tf32", True), t[2])
@@ -89,19 +111,29 @@ def middle_table(args, dev, d=64):
             errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
             print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
     nystrom_triton.CORE_KEEP_MAX = KEEP_MAX_DEFAULT
+    nystrom_triton.PINV_BACKWARD_TRANSPOSED, nystrom_triton.CORE_WARPS = TRANSPOSED_DEFAULT, CORE_WARPS_DEFAULT
 
 
 KEEP_MAX_DEFAULT = nystrom_triton.CORE_KEEP_MAX
+TRANSPOSED_DEFAULT = nystrom_triton.PINV_BACKWARD_TRANSPOSED
+CORE_WARPS_DEFAULT = nystrom_triton.CORE_WARPS
 # (row, landmark_core?, CORE_KEEP_MAX for the row — 0: the backward replays the forward, None: the forward keeps
-# its iterates whatever the count —, split Z / Z·W as with NYSTROM_OVERLAP=1?)
-MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False),
-           ("landmark_core (=all), backward replays", True, 0, False),
-           ("landmark_core (=all), iterates kept", True, None, False),
-           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True)]
+# its iterates whatever the count —, split Z / Z·W as with NYSTROM_OVERLAP=1?, the iteration's backward
+# transposed (112 / 96 KB of shared memory instead of 160 / 144: two programs per SM where the registers allow
+# it), the core's warps per program)
+MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False, False, 8),
+           ("PyTorch ops + pinv kernel (=1), transposed backward", False, 0, False, True, 8),
+           ("landmark_core (=all), backward replays", True, 0, False, False, 8),
+           ("landmark_core (=all), backward replays, transposed, 8 warps", True, 0, False, True, 8),
+           ("landmark_core (=all), backward replays, transposed, 4 warps", True, 0, False, True, 4),
+           ("landmark_core (=all), iterates kept", True, None, False, False, 8),
+           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True, False, 8)]
 
 
 def count_launches(fn):
-    """CUDA kernels one call of fn launches (torch.profiler's device-side events)."""
+    """CUDA kernels one call of fn launches (torch.profiler's device-side events); "n/a" without CUDA."""
+    if not torch.cuda.is_available():
+        return "n/a"
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -110,7 +142,8 @@ def count_launches(fn):
 
 
 def pinv_table(args, dev):
-    print(f"# pinv iteration ({args.iters} steps, m={args.m}), {torch.cuda.get_device_name(dev)}, "
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU, Triton interpreter (smoke run)"
+    print(f"# pinv iteration ({args.iters} steps, m={args.m}), {device}, "
           f"torch {torch.__version__}")
     print("| matrices | impl | fwd ms | fwd+bwd ms | out err | grad err |")
     print("|---|---|---|---|---|---|")
@@ -128,13 +161,17 @@ def pinv_table(args, dev):
                 torch.backends.cuda.matmul.allow_tf32 = tf32
                 return nystrom_fast.pinv_iterate(x, pinv_init(x), args.iters)
             variants.append((f"torch bmm{' tf32' if tf32 else ''}", torch_fn))
+        variants = [(name, fn, False) for name, fn in variants]
         for prec in args.precisions:
             for w in args.warps:
                 warps = tuple(int(x) for x in w.split(","))
-                variants.append((f"triton {prec} warps {w}",
-                                 lambda x, prec=prec, warps=warps: nystrom_triton.pinv_iterate(
-                                     x, pinv_init(x), args.iters, precision=prec, warps=warps)))
-        for name, fn in variants:
+                for form in args.backward_forms:
+                    variants.append((f"triton {prec} warps {w}{' transposed' if form == 'transposed' else ''}",
+                                     lambda x, prec=prec, warps=warps: nystrom_triton.pinv_iterate(
+                                         x, pinv_init(x), args.iters, precision=prec, warps=warps),
+                                     form == "transposed"))
+        for name, fn, transposed in variants:
+            nystrom_triton.PINV_BACKWARD_TRANSPOSED = transposed
             try:
                 out = fn(a)
                 grad = torch.autograd.grad(out, a, gout.float())[0]
@@ -144,6 +181,7 @@ def pinv_table(args, dev):
             except Exception as exc:  # a variant that does not compile (e.g. out of shared memory) is reported
                 print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
             torch.backends.cuda.matmul.allow_tf32 = False
+            nystrom_triton.PINV_BACKWARD_TRANSPOSED = TRANSPOSED_DEFAULT
 
 
 if __name__ == "__main__":

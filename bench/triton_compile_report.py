@@ -41,9 +41,10 @@ def configs(dt: str, prec: str, wide: bool):
     f64 = dict(IS_F64=False)
     yield ("pinv forward", nt._pinv_fwd_kernel, dict(A="*fp32", Z0="*fp32", Z="*fp32", m=I32),
            dict(ITERS=6, BLOCK=64, PREC=prec), nt.PINV_WARPS_64[prec][0])
-    yield ("pinv backward", nt._pinv_bwd_kernel,
-           dict(A="*fp32", Z0="*fp32", G="*fp32", DA="*fp32", DZ0="*fp32", ZS="*fp32", m=I32),
-           dict(ITERS=6, BLOCK=64, PREC=prec), nt.PINV_WARPS_64[prec][1])
+    for transposed in (False, True):  # nt.PINV_BACKWARD_TRANSPOSED's two forms
+        yield ("pinv backward" + (", transposed" if transposed else ""), nt._pinv_bwd_kernel,
+               dict(A="*fp32", Z0="*fp32", G="*fp32", DA="*fp32", DZ0="*fp32", ZS="*fp32", m=I32),
+               dict(ITERS=6, BLOCK=64, PREC=prec, TRANSPOSED=transposed), nt.PINV_WARPS_64[prec][1])
     yield ("segment means", nt._segmeans_kernel,
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, OUT=p, H=I32, N=I32, M=I32, D=I32),
            dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False), 4)
@@ -89,10 +90,12 @@ def configs(dt: str, prec: str, wide: bool):
             yield (f"landmark {form} forward{fwd}", nt._core_fwd_kernel,
                    dict(**core, W=t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
                    dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEEP=kept), nt.CORE_WARPS)
-            yield (f"landmark {form} backward{bwd}", nt._core_bwd_kernel,
-                   dict(**core, W=t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32", NTIE="*fp32",
-                        ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-                   dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept), nt.CORE_WARPS)
+            for transposed in (False, True):
+                yield (f"landmark {form} backward{bwd}" + (", transposed" if transposed else ""), nt._core_bwd_kernel,
+                       dict(**core, W=t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32",
+                            NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                       dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept, TRANSPOSED=transposed),
+                       nt.CORE_WARPS)
     yield ("landmark core softmax backward", nt._core_softmax_bwd_kernel,
            dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=p, DKL=p, M=I32,
                 D=I32, NBH=I32, scale="fp32"),

@@ -1,12 +1,15 @@
 """The benchmark scripts run end to end and print their tables (CPU, tiny shapes).
 
 GPU sessions are short and rare: a script that breaks on its way to a table would waste one. These runs use the
-CPU rows only (no Triton, no CUDA events); the figures themselves mean nothing here.
+CPU rows (no CUDA events; pinv_speed's Triton rows under the interpreter); the figures themselves mean nothing here.
 """
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,6 +54,25 @@ def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
         assert float(tokens_per_s) > 0 and float(step_ms) > 0
         assert device_ms == "n/a"         # no CUDA here
     assert rows[2][2] == "1.00"           # softmax against itself
+
+
+def test_pinv_speed_times_every_variant_of_the_iteration_and_the_landmark_middle():
+    # Both tables of the GPU `middle` / `pinv` stages, under Triton's interpreter at a tiny size: every row runs
+    # (the transposed backward and the core's 4-warp form included) and its numbers are the function's.
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    lines = run_script("bench/pinv_speed.py", "--matrices", "2", "--m", "8", "--precisions", "tf32", "--warps", "4,4",
+                       "--repeat", "1", TRITON_INTERPRET="1")
+    blank = lines.index("")
+    pinv_rows, middle_rows = table_rows(lines[:blank]), table_rows(lines[blank + 1:])
+    assert [r[1] for r in pinv_rows] == ["torch bmm", "torch bmm tf32", "triton tf32 warps 4,4",
+                                         "triton tf32 warps 4,4 transposed"]
+    for matrices, impl, fwd, both, out_err, grad_err in pinv_rows:
+        assert float(both) > 0 and float(out_err) < 1e-5 and float(grad_err) < 1e-5
+    assert len(middle_rows) == 7 and sum("transposed" in r[1] for r in middle_rows) == 3
+    for matrices, impl, launches, fwd, both, out_err, grad_errs in middle_rows:
+        assert float(both) > 0 and float(out_err) < 1e-2                # bf16 landmarks
+        assert max(float(e) for e in grad_errs.split(", ")) < 2e-2
 
 
 def test_pinv_precision_shows_tf32_products_within_bf16_rounding_and_bf16_products_not():

@@ -259,10 +259,18 @@ def test_triton_kernels_under_interpreter():
         assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
 
+@pytest.fixture(params=[False, True], ids=["direct-backward", "transposed-backward"])
+def pinv_backward_transposed(request, monkeypatch):
+    """Both forms of the iteration's backward (nystrom_triton.PINV_BACKWARD_TRANSPOSED)."""
+    from nystromformer.attention import nystrom_triton
+    monkeypatch.setattr(nystrom_triton, "PINV_BACKWARD_TRANSPOSED", request.param)
+    return request.param
+
+
 @needs_interpreter
 @pytest.mark.parametrize("m,init", [(8, "original"), (20, "exact"), (64, "original")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_interp_pinv_kernel(m, init, dtype):
+def test_interp_pinv_kernel(m, init, dtype, pinv_backward_transposed):
     from nystromformer.attention import nystrom_triton
     g = torch.Generator().manual_seed(m)
     a = torch.softmax(torch.randn(2, 2, m, m, generator=g, dtype=torch.float64), -1).to(dtype).requires_grad_()
@@ -397,14 +405,18 @@ def _gpu_case(dtype, use_triton, n=1000, m=64, conv=33, init="original", pad=(0,
     return rel(out, ref), [rel(a, b) for a, b in zip(grads, grads_ref)]
 
 
-# torch = PyTorch ops; triton = NYSTROM_TRITON=1 (the GPU-checked kernels); triton-all = NYSTROM_TRITON=all
-GPU_IMPLS = ["torch", "triton", "triton-all"]
+# torch = PyTorch ops; triton = NYSTROM_TRITON=1 (the GPU-checked kernels); triton-all = NYSTROM_TRITON=all;
+# -transposed: with the iteration's backward in its transposed form (PINV_BACKWARD_TRANSPOSED)
+GPU_IMPLS = ["torch", "triton", "triton-all", "triton-transposed", "triton-all-transposed"]
 
 
 def _gpu_impl(impl, monkeypatch):
     if impl != "torch" and not _triton_importable():
         pytest.skip("triton not importable on this GPU machine")
-    monkeypatch.setenv("NYSTROM_TRITON", "all" if impl == "triton-all" else "1")
+    monkeypatch.setenv("NYSTROM_TRITON", "all" if impl.startswith("triton-all") else "1")
+    if impl.endswith("-transposed"):
+        from nystromformer.attention import nystrom_triton
+        monkeypatch.setattr(nystrom_triton, "PINV_BACKWARD_TRANSPOSED", True)
     return impl != "torch"
 
 
@@ -700,11 +712,13 @@ def _landmark_middle(q_land, k_land, w, iters=6):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("b,h,m,d,dtype", [(2, 3, 8, 16, torch.float64), (1, 2, 7, 12, torch.float64),
-                                           (2, 2, 64, 64, torch.float64), (2, 3, 20, 16, torch.float32),
-                                           (20, 15, 8, 16, torch.float64)])  # 300 matrices: the batch max in chunks
-def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype):
+@pytest.mark.parametrize("b,h,m,d,dtype,transposed", [
+    (2, 3, 8, 16, torch.float64, False), (1, 2, 7, 12, torch.float64, False), (2, 2, 64, 64, torch.float64, False),
+    (2, 3, 20, 16, torch.float32, False), (20, 15, 8, 16, torch.float64, False),  # 300: the batch max in chunks
+    (1, 2, 7, 12, torch.float64, True), (2, 2, 64, 64, torch.float64, True), (2, 3, 20, 16, torch.float32, True)])
+def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype, transposed, monkeypatch):
     from nystromformer.attention import nystrom_triton
+    monkeypatch.setattr(nystrom_triton, "PINV_BACKWARD_TRANSPOSED", transposed)
     g = torch.Generator().manual_seed(m * b)
     q_land, k_land, w = (_random(b, h, m, d, dtype=dtype, g=g) for _ in range(3))
     if b * h > nystrom_triton.CORE_BLOCK_S:
@@ -719,7 +733,7 @@ def test_interp_landmark_core_is_pinv_of_kernel_2_times_w(b, h, m, d, dtype):
 @needs_interpreter
 @pytest.mark.parametrize("b,h,m,d,dtype", [(2, 3, 8, 16, torch.float64), (1, 2, 7, 12, torch.float64),
                                            (2, 2, 64, 64, torch.float64), (2, 3, 20, 16, torch.float32)])
-def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d, dtype):
+def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d, dtype, pinv_backward_transposed):
     from nystromformer.attention import nystrom_triton
     g = torch.Generator().manual_seed(m * b + 1)
     q_land, k_land, w = (_random(b, h, m, d, dtype=dtype, g=g) for _ in range(3))
@@ -729,6 +743,30 @@ def test_interp_landmark_pinv_is_the_core_without_the_product_with_w(b, h, m, d,
                                  (q_land, k_land, w), dtype)
     core = nystrom_triton.landmark_core(q_land, k_land, w, 6)
     assert rel(nystrom_fast.times_w(z, w), core) < (1e-13 if dtype == torch.float64 else 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m", [7, 64])
+def test_interp_transposed_backward_gives_the_direct_backwards_gradients(m, monkeypatch):
+    # The same products, each computed as its transpose: in fp64 the gradients agree to rounding — for the pinv
+    # kernel, the landmark core (Z·W) and its split form (Z), the batch max's gradient included.
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(m)
+    a = torch.softmax(torch.randn(2, 3, m, m, generator=g, dtype=torch.float64), -1)
+    q_land, k_land, w = (_random(2, 3, m, 16, dtype=torch.float64, g=g).detach() for _ in range(3))
+    gradients = {}
+    for transposed in (False, True):
+        monkeypatch.setattr(nystrom_triton, "PINV_BACKWARD_TRANSPOSED", transposed)
+        pa = a.clone().requires_grad_()
+        z = nystrom_triton.pinv_iterate(pa, pinv_init(pa, "original"), 6)
+        params = [t.clone().requires_grad_() for t in (q_land, k_land, w)]
+        zw = nystrom_triton.landmark_core(*params, 6)
+        zp = nystrom_triton.landmark_pinv(*params[:2], 6)
+        gz, gzw = (torch.randn(t.shape, generator=torch.Generator().manual_seed(5), dtype=t.dtype) for t in (z, zw))
+        gradients[transposed] = (torch.autograd.grad(z, pa, gz) + torch.autograd.grad(zw, params, gzw)
+                                 + torch.autograd.grad(zp, params[:2], gz))
+    for direct, transposed in zip(gradients[False], gradients[True]):
+        assert rel(transposed, direct) < 1e-12
 
 
 @needs_interpreter
@@ -749,7 +787,8 @@ def test_interp_core_keeps_iterates_only_when_a_backward_follows(monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("iters", [6, 1, 0])
-def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters, monkeypatch):
+def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters, pinv_backward_transposed,
+                                                                  monkeypatch):
     # Up to CORE_KEEP_MAX matrices (opt-in) the forward keeps its iterates and the backward does not replay it:
     # the same products in the same order, so the same numbers (and iters = 0, 1 at the edges of the loops).
     from nystromformer.attention import nystrom_triton
@@ -799,7 +838,7 @@ def test_interp_landmark_core_in_bf16_is_as_accurate_as_the_pytorch_middle():
 
 @needs_interpreter
 @pytest.mark.parametrize("uniform", [False, True])
-def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_max(uniform):
+def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_max(uniform, pinv_backward_transposed):
     # Z₀ = Aᵀ / max(column sums over the batch): torch.max's backward splits the gradient evenly over every entry
     # equal to the max. Four identical (Q̃, K̃) tie it four ways (a kernel giving it all to each would be 4× off);
     # Q̃ = 0 makes every column sum of every matrix 1.

@@ -164,15 +164,48 @@ if triton is not None:
         return da, g
 
     @triton.jit
-    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, ZS, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    def _pinv_reverse_transposed(a, h, eye, zs, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        # _pinv_reverse with every gradient transposed: h = (dL/dZ_final)ᵀ in, ((dL/dA)ᵀ, (dL/dZ₀)ᵀ) out — the
+        # same products, each computed as its transpose (XY)ᵀ = YᵀXᵀ. Why: tf32 wgmma reads K-major operands only,
+        # so a matrix used in both orientations is staged in shared memory twice; in this form P, T1, T2 and the
+        # gradients are never transposed, and h enters its one left-hand use as a value computed in registers
+        # (-0.25·h), not staged. Shared memory at 64 × 64, tf32, 4 warps (ptxas, sm_90): 112 KB instead of 160,
+        # so two programs fit on an SM (228 KB) instead of one.
+        da_t = tl.zeros_like(a)
+        for s in range(ITERS):
+            z = tl.load(zs + (ITERS - 1 - s) * BLOCK * BLOCK)
+            p = tl.dot(a, z, input_precision=PREC)
+            t1 = 7.0 * eye - p
+            t2 = 15.0 * eye - tl.dot(p, t1, input_precision=PREC)
+            t3 = 13.0 * eye - tl.dot(p, t2, input_precision=PREC)
+            dz_t = 0.25 * tl.dot(t3, h, input_precision=PREC)                 # (¼ G T3ᵀ)ᵀ
+            ds2_t = tl.dot(-0.25 * h, z, input_precision=PREC)                # (−¼ Zᵀ G)ᵀ
+            dp_t = tl.dot(t2, ds2_t, input_precision=PREC)                    # (dS2 T2ᵀ)ᵀ
+            ds1_t = -tl.dot(ds2_t, p, input_precision=PREC)                   # (−Pᵀ dS2)ᵀ
+            dp_t += tl.dot(t1, ds1_t, input_precision=PREC)                   # (dS1 T1ᵀ)ᵀ
+            dp_t -= tl.dot(ds1_t, p, input_precision=PREC)                    # (Pᵀ dS1)ᵀ
+            da_t += tl.dot(z, dp_t, input_precision=PREC)                     # (dP Zᵀ)ᵀ
+            h = dz_t + tl.dot(dp_t, a, input_precision=PREC)                  # (dZ + Aᵀ dP)ᵀ
+        return da_t, h
+
+    @triton.jit
+    def _pinv_bwd_kernel(A, Z0, G, DA, DZ0, ZS, m, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr,
+                         TRANSPOSED: tl.constexpr):
         pid, off, inside, a, z, eye = _pinv_operands(A, Z0, m, BLOCK)
         r = tl.arange(0, BLOCK)
         zs = ZS + pid * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
         _pinv_replay(a, z, eye, zs, ITERS, BLOCK, PREC)
-        g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
-        da, g = _pinv_reverse(a, g, eye, zs, ITERS, BLOCK, PREC)
-        tl.store(DA + off, da, mask=inside)
-        tl.store(DZ0 + off, g, mask=inside)
+        if TRANSPOSED:  # loads and stores through transposed offsets: the transposes cost nothing
+            off_t = pid * m * m + r[None, :] * m + r[:, None]
+            h = tl.load(G + off_t, mask=inside, other=0.0).to(a.dtype)
+            da_t, h = _pinv_reverse_transposed(a, h, eye, zs, ITERS, BLOCK, PREC)
+            tl.store(DA + off_t, da_t, mask=inside)
+            tl.store(DZ0 + off_t, h, mask=inside)
+        else:
+            g = tl.load(G + off, mask=inside, other=0.0).to(a.dtype)
+            da, g = _pinv_reverse(a, g, eye, zs, ITERS, BLOCK, PREC)
+            tl.store(DA + off, da, mask=inside)
+            tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
     def _dwconv_wgrad_mm_kernel(X, sxb, sxh, sxn, sxd, KEEP, G, sgb, sgh, sgn, sgd, PART, H, N, D, KS: tl.constexpr,
@@ -327,11 +360,12 @@ if triton is not None:
     def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, scale, ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
                          PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr,
-                         KEPT: tl.constexpr):
+                         KEPT: tl.constexpr, TRANSPOSED: tl.constexpr):
         # dW, and dL/dA except the batch max's share: DA (BLOCK² per matrix), DDIV = dL/d(max) from this matrix,
         # NTIE = how many of its column sums equal the max (the next kernel splits the summed DDIV over them).
         # HAS_W: G = dL/d(Z·W) (m × d); otherwise G = dL/dZ (m × m) and W, DW are unused. KEPT: ZS holds the
-        # forward's iterates and final Z (no replay).
+        # forward's iterates and final Z (no replay). TRANSPOSED: the iteration's backward in its transposed form
+        # (_pinv_reverse_transposed).
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -348,12 +382,24 @@ if triton is not None:
             w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
-            dz = tl.dot(g, tl.trans(w), input_precision=OUTER)
+            if TRANSPOSED:
+                dz_t = tl.dot(w, tl.trans(g), input_precision=OUTER)
+            else:
+                dz = tl.dot(g, tl.trans(w), input_precision=OUTER)
+        elif TRANSPOSED:
+            dz_t = tl.trans(_to_work(_landmark_tile(G, bh, M, M, BLOCK, BLOCK), IS_F64))
         else:
             dz = _to_work(_landmark_tile(G, bh, M, M, BLOCK, BLOCK), IS_F64)
-        da, dz0 = _pinv_reverse(a, dz, eye, zs, ITERS, BLOCK, PREC)
-        tl.store(DA + bh.to(tl.int64) * BLOCK * BLOCK + square, da + tl.trans(dz0) / div)
-        tl.store(DDIV + bh, -tl.sum(tl.sum(dz0 * tl.trans(a), axis=1), axis=0) / (div * div))  # Z₀ not kept live
+        if TRANSPOSED:  # DAᵀ = daᵀ + dZ₀ / max, stored through transposed offsets
+            da_t, dz0_t = _pinv_reverse_transposed(a, dz_t, eye, zs, ITERS, BLOCK, PREC)
+            tl.store(DA + bh.to(tl.int64) * BLOCK * BLOCK + r[None, :] * BLOCK + r[:, None],
+                     da_t + tl.trans(dz0_t) / div)
+            dz0_at = tl.sum(tl.sum(dz0_t * a, axis=1), axis=0)                # Σ dZ₀ ⊙ Aᵀ
+        else:
+            da, dz0 = _pinv_reverse(a, dz, eye, zs, ITERS, BLOCK, PREC)
+            tl.store(DA + bh.to(tl.int64) * BLOCK * BLOCK + square, da + tl.trans(dz0) / div)
+            dz0_at = tl.sum(tl.sum(dz0 * tl.trans(a), axis=1), axis=0)
+        tl.store(DDIV + bh, -dz0_at / (div * div))  # Z₀ = Aᵀ / max, not kept live
         colsum = tl.load(COLS + bh.to(tl.int64) * M + r, mask=r < M, other=float("-inf"))
         tl.store(NTIE + bh, tl.sum(tl.where(colsum == div, 1.0, 0.0), axis=0).to(NTIE.dtype.element_ty))
 
@@ -690,6 +736,10 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # ieee 13.5 at (8, 8) vs 92 at (4, 4), where 4 warps spill). Smaller blocks use 4. ``pinv_iterate(...,
 # warps=(f, b))`` overrides them.
 PINV_WARPS_64 = {"tf32": (4, 4), "tf32x3": (4, 4), "ieee": (8, 8)}
+# The iteration's backward (pinv kernel and landmark core) in its transposed form, _pinv_reverse_transposed: the
+# same products, 112 KB of shared memory instead of 160 at tf32 and 4 warps, so two programs per SM instead of one
+# — but more spills (668 B vs 408). Not yet timed (docs/performance.md): off until a GPU shows it is faster.
+PINV_BACKWARD_TRANSPOSED = False
 
 
 def _pinv_warps(m: int, precision: str, warps: int, which: int) -> int:
@@ -717,7 +767,7 @@ def _pinv_backward(a: torch.Tensor, z0: torch.Tensor, g: torch.Tensor, iters: in
     block = _block(m)
     scratch = torch.empty(bsz, iters, block, block, device=a.device, dtype=a.dtype)
     _pinv_bwd_kernel[(bsz,)](a, z0, g.contiguous(), da, dz0, scratch, m, ITERS=iters, BLOCK=block, PREC=precision,
-                             num_warps=_pinv_warps(m, precision, warps, 1))
+                             TRANSPOSED=PINV_BACKWARD_TRANSPOSED, num_warps=_pinv_warps(m, precision, warps, 1))
     return da, dz0
 
 
@@ -829,7 +879,8 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w)
     g = g.contiguous() if has_w else g.to(work).contiguous()
     _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous() if has_w else g, stat, cols, g,
                                dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
-                               HAS_W=has_w, KEPT=kept, num_warps=_core_warps(m), **c)
+                               HAS_W=has_w, KEPT=kept, TRANSPOSED=PINV_BACKWARD_TRANSPOSED,
+                               num_warps=_core_warps(m), **c)
     dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
     c.pop("PREC")
     _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
