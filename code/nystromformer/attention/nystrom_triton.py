@@ -139,18 +139,23 @@ if triton is not None:
         return z
 
     @triton.jit
+    def _pinv_step_parts(a, zs, step, eye, BLOCK: tl.constexpr, PREC: tl.constexpr):
+        # Step `step`'s input iterate Z (from _pinv_replay's scratch) and the forward's intermediates:
+        # P = AZ, T1 = 7I - P, S1 = P T1, T2 = 15I - S1, S2 = P T2, T3 = 13I - S2 (the step's output is Z T3 / 4)
+        z = tl.load(zs + step * BLOCK * BLOCK)
+        p = tl.dot(a, z, input_precision=PREC)
+        t1 = 7.0 * eye - p
+        t2 = 15.0 * eye - tl.dot(p, t1, input_precision=PREC)
+        t3 = 13.0 * eye - tl.dot(p, t2, input_precision=PREC)
+        return z, p, t1, t2, t3
+
+    @triton.jit
     def _pinv_reverse(a, g, eye, zs, ITERS: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
         # Back through the steps (their input iterates in zs, from _pinv_replay) with g = dL/dZ_final:
         # returns (dL/dA through the iteration, dL/dZ₀).
         da = tl.zeros_like(a)
         for s in range(ITERS):
-            z = tl.load(zs + (ITERS - 1 - s) * BLOCK * BLOCK)
-            # forward of the step: P = AZ, T1 = 7I - P, S1 = P T1, T2 = 15I - S1, S2 = P T2, T3 = 13I - S2,
-            # out = Z T3 / 4
-            p = tl.dot(a, z, input_precision=PREC)
-            t1 = 7.0 * eye - p
-            t2 = 15.0 * eye - tl.dot(p, t1, input_precision=PREC)
-            t3 = 13.0 * eye - tl.dot(p, t2, input_precision=PREC)
+            z, p, t1, t2, t3 = _pinv_step_parts(a, zs, ITERS - 1 - s, eye, BLOCK, PREC)
             pt = tl.trans(p)
             zt = tl.trans(z)
             dz = 0.25 * tl.dot(g, tl.trans(t3), input_precision=PREC)
@@ -173,11 +178,7 @@ if triton is not None:
         # so two programs fit on an SM (228 KB) instead of one.
         da_t = tl.zeros_like(a)
         for s in range(ITERS):
-            z = tl.load(zs + (ITERS - 1 - s) * BLOCK * BLOCK)
-            p = tl.dot(a, z, input_precision=PREC)
-            t1 = 7.0 * eye - p
-            t2 = 15.0 * eye - tl.dot(p, t1, input_precision=PREC)
-            t3 = 13.0 * eye - tl.dot(p, t2, input_precision=PREC)
+            z, p, t1, t2, t3 = _pinv_step_parts(a, zs, ITERS - 1 - s, eye, BLOCK, PREC)
             dz_t = 0.25 * tl.dot(t3, h, input_precision=PREC)                 # (¼ G T3ᵀ)ᵀ
             ds2_t = tl.dot(-0.25 * h, z, input_precision=PREC)                # (−¼ Zᵀ G)ᵀ
             dp_t = tl.dot(t2, ds2_t, input_precision=PREC)                    # (dS2 T2ᵀ)ᵀ
