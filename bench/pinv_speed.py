@@ -95,39 +95,42 @@ def middle_table(args, dev, d=64):
         ref_grads = torch.autograd.grad(ref, x64, gout)
         xs = [t.detach().bfloat16().requires_grad_() for t in x64]
         for name, core, keep_max, split, transposed, core_warps in MIDDLES:
+            settings = (nystrom_triton.CORE_KEEP_MAX, nystrom_triton.PINV_BACKWARD_TRANSPOSED, nystrom_triton.CORE_WARPS)
             nystrom_triton.CORE_KEEP_MAX = keep_max if keep_max is not None else bsz
-            nystrom_triton.PINV_BACKWARD_TRANSPOSED, nystrom_triton.CORE_WARPS = transposed, core_warps
+            nystrom_triton.PINV_BACKWARD_TRANSPOSED = transposed
+            nystrom_triton.CORE_WARPS = core_warps or nystrom_triton.CORE_WARPS
             if split:  # NYSTROM_OVERLAP=1's form (here on one stream): Z from the core's kernels, then a bmm
                 fn = lambda *t: nystrom_fast.times_w(  # noqa: E731
                     nystrom_fast.landmark_pinv(t[0], t[1], args.iters, "original", True, "tf32", True), t[2])
             else:
                 fn = lambda *t, core=core: nystrom_fast.landmark_middle(  # noqa: E731
                     *t, args.iters, "original", True, "tf32", core_kernel=core)
-            out = fn(*xs)
-            grads = torch.autograd.grad(out, xs, gout.bfloat16())
-            launches = count_launches(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
-            fwd = bench(lambda: fn(*(t.detach() for t in xs)))
-            both = bench(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
-            errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
-            print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
-    nystrom_triton.CORE_KEEP_MAX = KEEP_MAX_DEFAULT
-    nystrom_triton.PINV_BACKWARD_TRANSPOSED, nystrom_triton.CORE_WARPS = TRANSPOSED_DEFAULT, CORE_WARPS_DEFAULT
+            try:
+                out = fn(*xs)
+                grads = torch.autograd.grad(out, xs, gout.bfloat16())
+                launches = count_launches(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
+                fwd = bench(lambda: fn(*(t.detach() for t in xs)))
+                both = bench(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
+                errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
+                print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
+            except Exception as exc:  # a row that does not compile or run is reported; the others still run
+                print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | | |")
+            finally:
+                (nystrom_triton.CORE_KEEP_MAX, nystrom_triton.PINV_BACKWARD_TRANSPOSED,
+                 nystrom_triton.CORE_WARPS) = settings
 
 
-KEEP_MAX_DEFAULT = nystrom_triton.CORE_KEEP_MAX
-TRANSPOSED_DEFAULT = nystrom_triton.PINV_BACKWARD_TRANSPOSED
-CORE_WARPS_DEFAULT = nystrom_triton.CORE_WARPS
 # (row, landmark_core?, CORE_KEEP_MAX for the row — 0: the backward replays the forward, None: the forward keeps
 # its iterates whatever the count —, split Z / Z·W as with NYSTROM_OVERLAP=1?, the iteration's backward
 # transposed (112 / 96 KB of shared memory instead of 160 / 144: two programs per SM where the registers allow
-# it), the core's warps per program)
-MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False, False, 8),
-           ("PyTorch ops + pinv kernel (=1), transposed backward", False, 0, False, True, 8),
-           ("landmark_core (=all), backward replays", True, 0, False, False, 8),
+# it), the core's warps per program — None: CORE_WARPS as set)
+MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False, False, None),
+           ("PyTorch ops + pinv kernel (=1), transposed backward", False, 0, False, True, None),
+           ("landmark_core (=all), backward replays", True, 0, False, False, None),
            ("landmark_core (=all), backward replays, transposed, 8 warps", True, 0, False, True, 8),
            ("landmark_core (=all), backward replays, transposed, 4 warps", True, 0, False, True, 4),
-           ("landmark_core (=all), iterates kept", True, None, False, False, 8),
-           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True, False, 8)]
+           ("landmark_core (=all), iterates kept", True, None, False, False, None),
+           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True, False, None)]
 
 
 def count_launches(fn):
@@ -170,6 +173,7 @@ def pinv_table(args, dev):
                                      lambda x, prec=prec, warps=warps: nystrom_triton.pinv_iterate(
                                          x, pinv_init(x), args.iters, precision=prec, warps=warps),
                                      form == "transposed"))
+        before = nystrom_triton.PINV_BACKWARD_TRANSPOSED
         for name, fn, transposed in variants:
             nystrom_triton.PINV_BACKWARD_TRANSPOSED = transposed
             try:
@@ -181,7 +185,7 @@ def pinv_table(args, dev):
             except Exception as exc:  # a variant that does not compile (e.g. out of shared memory) is reported
                 print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
             torch.backends.cuda.matmul.allow_tf32 = False
-            nystrom_triton.PINV_BACKWARD_TRANSPOSED = TRANSPOSED_DEFAULT
+            nystrom_triton.PINV_BACKWARD_TRANSPOSED = before
 
 
 if __name__ == "__main__":

@@ -816,7 +816,7 @@ def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters,
 
 
 @needs_interpreter
-def test_interp_landmark_core_in_bf16_is_as_accurate_as_the_pytorch_middle():
+def test_interp_landmark_core_in_bf16_is_as_accurate_as_the_pytorch_middle(pinv_backward_transposed):
     # bf16 landmarks in, bf16 ZW out, fp32 inside: the errors against fp64 are those of the PyTorch ops around the
     # pinv kernel (NYSTROM_TRITON=1) — bf16 rounding, not the kernel's arithmetic.
     g = torch.Generator().manual_seed(3)

@@ -196,7 +196,7 @@ if triton is not None:
         r = tl.arange(0, BLOCK)
         zs = ZS + pid * ITERS * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
         _pinv_replay(a, z, eye, zs, ITERS, BLOCK, PREC)
-        if TRANSPOSED:  # loads and stores through transposed offsets: the transposes cost nothing
+        if TRANSPOSED:  # loads and stores through transposed offsets: no transposed copy of G, DA or DZ0
             off_t = pid * m * m + r[None, :] * m + r[:, None]
             h = tl.load(G + off_t, mask=inside, other=0.0).to(a.dtype)
             da_t, h = _pinv_reverse_transposed(a, h, eye, zs, ITERS, BLOCK, PREC)
@@ -739,7 +739,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 PINV_WARPS_64 = {"tf32": (4, 4), "tf32x3": (4, 4), "ieee": (8, 8)}
 # The iteration's backward (pinv kernel and landmark core) in its transposed form, _pinv_reverse_transposed: the
 # same products, 112 KB of shared memory instead of 160 at tf32 and 4 warps, so two programs per SM instead of one
-# — but more spills (668 B vs 408). Not yet timed (docs/performance.md): off until a GPU shows it is faster.
+# — but more spills (532 B vs 408). Not yet timed (docs/performance.md): off until a GPU shows it is faster.
 PINV_BACKWARD_TRANSPOSED = False
 
 
