@@ -13,7 +13,7 @@ it use the derivative of the exact inverse, dA = −Zᵀ·dZ·Zᵀ (2 products),
 Only if the iteration has converged; the table compares the gradients of q and k through the attention output,
 fp64, "implicit" against "unrolled" (the reference's autograd through the steps).
 
-    python bench/pinv_precision.py            # ~20 s
+    python bench/pinv_precision.py            # ~5 s
 """
 from __future__ import annotations
 

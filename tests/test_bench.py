@@ -3,6 +3,7 @@
 GPU sessions are short and rare: a script that breaks on its way to a table would waste one. These runs use the
 CPU rows (no CUDA events; pinv_speed's Triton rows under the interpreter); the figures themselves mean nothing here.
 """
+import functools
 import importlib.util
 import os
 import subprocess
@@ -75,10 +76,17 @@ def test_pinv_speed_times_every_variant_of_the_iteration_and_the_landmark_middle
         assert max(float(e) for e in grad_errs.split(", ")) < 2e-2
 
 
+@functools.lru_cache(maxsize=None)
+def pinv_precision_tables() -> tuple[list, list]:
+    """bench/pinv_precision.py's two tables (precision of the products; the backward's exact-inverse derivative)."""
+    lines = run_script("bench/pinv_precision.py", "--batch-heads", "4", "--scales", "1", "4")
+    blank = lines.index("")
+    return table_rows(lines[:blank]), table_rows(lines[blank + 1:])
+
+
 def test_pinv_precision_shows_tf32_products_within_bf16_rounding_and_bf16_products_not():
     # The reason the iteration's products run at tf32 for bf16 attention (docs/performance.md): emulated in fp64.
-    lines = run_script("bench/pinv_precision.py", "--batch-heads", "4", "--scales", "1", "4")
-    precision_rows = table_rows(lines[:lines.index("")])
+    precision_rows = pinv_precision_tables()[0]
     assert [r[0] for r in precision_rows] == ["1", "4"]
     for scale, cond, z_tf32, z_bf16, z_mix, out_tf32, out_bf16, out_mix, bf16_once in precision_rows:
         assert float(out_tf32) < float(bf16_once) < float(out_bf16)
@@ -87,8 +95,7 @@ def test_pinv_precision_shows_tf32_products_within_bf16_rounding_and_bf16_produc
 def test_pinv_backward_cannot_use_the_exact_inverses_derivative_after_the_papers_six_steps():
     # The backward's ~90 products per matrix are the n = 512 bottleneck; -Zᵀ dZ Zᵀ would be 2. It is the derivative
     # only once the iteration has converged (30 steps: agrees, which checks the formula), not after 6.
-    lines = run_script("bench/pinv_precision.py", "--batch-heads", "4", "--scales", "1", "4")
-    gradient_rows = table_rows(lines[lines.index("") + 1:])
+    gradient_rows = pinv_precision_tables()[1]
     assert [(r[0], r[1]) for r in gradient_rows] == [("1", "6"), ("1", "30"), ("4", "6"), ("4", "30")]
     for scale, steps, cond, unconverged, dq, dk in gradient_rows:
         if steps == "6":
