@@ -90,6 +90,43 @@ def test_loader_errors_are_clear(tmp_path):
         listops.read_tsv(tmp_path / "x.tsv")
 
 
+def test_an_empty_split_file_is_an_error_naming_it(tmp_path):
+    for split, name in listops.SPLIT_FILES.items():
+        listops.write_tsv(tmp_path / name, [] if split == "dev" else [("[SM 1 2 ]", 3)])
+    with pytest.raises(listops.ListOpsDataError, match="basic_val.tsv: no rows after the header"):
+        listops.load_lra_dir(tmp_path)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--train-size", "0"], "--train-size: must be at least 1, got 0"),
+    (["--test-size", "-1"], "--test-size: must be at least 1, got -1"),
+    (["--max-depth", "1"], "--max-depth: must be at least 2"),
+    (["--max-args", "1"], "--max-args: an operator takes 2 to --max-args arguments; must be at least 2, got 1"),
+    (["--gen-max-length", "3", "--min-length", "2"], "--gen-max-length: the shortest expression has 4 tokens"),
+    (["--min-length", "50", "--gen-max-length", "40"], "--min-length 50 is above --gen-max-length 40"),
+    (["--max-depth", "2", "--max-args", "3", "--min-length", "6"],
+     "--min-length: trees of --max-depth 2 with --max-args 3 have at most 5 tokens, got 6"),
+])
+@pytest.mark.parametrize("command", ["listops-generate", "listops-train"])
+def test_generation_limits_no_tree_can_meet_are_one_error_line_not_minutes_of_drawing(tmp_path, capsys, command,
+                                                                                      flags, named):
+    small = ["--train-size", "4", "--dev-size", "2", "--test-size", "2", "--max-depth", "3", "--min-length", "5",
+             "--gen-max-length", "40"]
+    argv = [command, "--out", str(tmp_path / "out"), *small, *flags]
+    if command == "listops-train":
+        argv += ["--generate", "--attn-types", "softmax", "--steps", "2", "--warmup", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_longest_tree_bound_is_reached_by_the_generator():
+    rows = listops.generate(20, seed=0, max_depth=2, max_args=3, min_length=5, max_length=5)
+    assert {len(src.split()) for src, _ in rows} == {listops.longest_tree(2, 3)} == {5}
+    assert listops.longest_tree(3, 10) == 122  # [OP + 10 × [OP + 10 digits + ] + ]
+
+
 def test_lra_default_model_settings():
     s = RunSettings()
     assert (s.num_layers, s.dim, s.num_head, s.ffn_dim, s.batch_size, s.learning_rate, s.warmup, s.steps,
@@ -155,6 +192,16 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
     (["--set", "num_landmark=32"], "num_landmark"),
     (["--set", "num_landmarks=\"32\""], "num_landmarks"),
     (["--data", "no-such-folder"], "no-such-folder: missing basic_train.tsv"),
+    (["--steps", "0"], "--steps: must be at least 1, got 0"),
+    (["--eval-every", "0"], "--eval-every: must be at least 1, got 0"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+    (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
+    (["--steps", "500"], "--warmup: 1000 warm-up steps are not fewer than --steps 500"),
+    (["--learning-rate", "0"], "--learning-rate: must be positive, got 0.0"),
+    (["--eval-batches", "0"], "--eval-batches: must be positive, got 0"),
+    (["--time-limit-s", "-5"], "--time-limit-s: must be at least 0, got -5.0"),
+    (["--device", "gpu"], "--device gpu: not a device; use cpu, cuda or cuda:N"),
+    (["--device", "cuda:99"], "--device cuda:99: "),
 ])
 def test_user_mistakes_are_one_error_line_before_any_training(tmp_path, capsys, flags, named):
     argv = ["listops-train", "--data", str(FIXTURES), "--out", str(tmp_path / "out"), "--attn-types", "softmax"]

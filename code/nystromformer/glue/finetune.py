@@ -36,7 +36,7 @@ from ..checkpoint import load as load_checkpoint
 from ..config import load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
-from ..runtime import autocast_dtype
+from ..runtime import autocast_dtype, linear_warmup_decay, resolve_device
 from ..tokenizer import load_tokenizer, model_tokenizer
 from .encoding import EncodedDataset, PadCollator
 from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
@@ -172,14 +172,6 @@ def subsample(examples: List[Example], limit: Optional[int]) -> List[Example]:
     return [examples[i] for i in keep]
 
 
-def linear_warmup_decay(optimizer, total_steps: int, warmup_steps: int):
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float):
     # No weight decay on biases and LayerNorm weights, as BERT/RoBERTa fine-tuning does.
     decay, no_decay = [], []
@@ -263,12 +255,12 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     Returns the result dict also written to result.json: best_epoch, best_score, best_metrics (dev),
     history (one entry per epoch), and the paths of the log, the best weights and the submission files.
     """
+    device = resolve_device(settings.device)  # fail before the slow parts
     cfg = load_config(model_dir)
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
-    pretrained = find_model(checkpoint_dir, settings.checkpoint)  # fail before the slow parts
+    pretrained = find_model(checkpoint_dir, settings.checkpoint)
     tokenizer = load_tokenizer(model_tokenizer(cfg))
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     max_seq_len = settings.max_seq_len or cfg.model.max_seq_len
 
     # Data: read everything first, so a bad file fails before any training.

@@ -2,7 +2,7 @@
 
     nystromformer listops-generate --out data/listops            # 96k/2k/2k at LRA settings, seeded
     nystromformer listops-train --data data/listops --out results/listops          # paper scale (GPU)
-    nystromformer listops-train --generate --train-size 2000 --max-depth 6 --min-length 64 --gen-max-length 256 \
+    nystromformer listops-train --generate --train-size 2000 --max-depth 6 --min-length 64 --gen-max-length 256 \\
         --max-length 256 ...                                                     # reduced, e.g. CPU
 
 ``--data`` takes a folder with ``basic_train.tsv``, ``basic_val.tsv``, ``basic_test.tsv`` (the LRA
@@ -18,6 +18,7 @@ from pathlib import Path
 from ..cli import add_subcommand
 from ..config import ATTENTION_TYPES
 from ..errors import UserError
+from ..runtime import resolve_device
 from . import listops
 from .train import RunSettings, encode_splits, majority_accuracy, model_config, train_one, write_results
 
@@ -38,7 +39,29 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-seed", type=int, default=0)
 
 
+def check_generation_arguments(args) -> None:
+    """Limits no tree can meet would keep the generator drawing for minutes before it gives up: refused here."""
+    for flag, n in (("--train-size", args.train_size), ("--dev-size", args.dev_size), ("--test-size", args.test_size)):
+        if n < 1:
+            raise UserError(f"{flag}: must be at least 1, got {n}")
+    if args.max_depth < 2:
+        raise UserError(f"--max-depth: must be at least 2 (the root operator is depth 1, digits are depth "
+                        f"--max-depth), got {args.max_depth}")
+    if args.max_args < 2:
+        raise UserError(f"--max-args: an operator takes 2 to --max-args arguments; must be at least 2, got "
+                        f"{args.max_args}")
+    shortest, longest = 4, listops.longest_tree(args.max_depth, args.max_args)  # shortest: [OP d d ]
+    if args.gen_max_length < shortest:
+        raise UserError(f"--gen-max-length: the shortest expression has {shortest} tokens, got {args.gen_max_length}")
+    if args.min_length > args.gen_max_length:
+        raise UserError(f"--min-length {args.min_length} is above --gen-max-length {args.gen_max_length}")
+    if args.min_length > longest:
+        raise UserError(f"--min-length: trees of --max-depth {args.max_depth} with --max-args {args.max_args} have "
+                        f"at most {longest} tokens, got {args.min_length}")
+
+
 def generate_from_args(args) -> dict:
+    check_generation_arguments(args)
     sizes = {"train": args.train_size, "dev": args.dev_size, "test": args.test_size}
     return listops.generate_splits(sizes, seed=args.data_seed, max_depth=args.max_depth, max_args=args.max_args,
                                    min_length=args.min_length, max_length=args.gen_max_length)
@@ -102,6 +125,9 @@ def run_train(args) -> int:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    resolve_device(settings.device)
+    if args.generate:
+        check_generation_arguments(args)
     for name in names:  # every run's settings checked before the first one trains
         model_config(name, settings, overrides)
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)

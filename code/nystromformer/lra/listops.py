@@ -102,8 +102,17 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
             continue
         seen.add(source)
         out.append((source, tree_value(tree)))
-    raise RuntimeError(f"only {len(out)} of {num_samples} distinct trees with {min_length} <= length <= "
-                       f"{max_length} at depth <= {max_depth} after {max_tries} tries; widen the limits")
+    raise ListOpsDataError(f"only {len(out)} of {num_samples} distinct trees with {min_length} <= length <= "
+                           f"{max_length} at depth <= {max_depth} after {max_tries} tries; widen the limits")
+
+
+def longest_tree(max_depth: int, max_args: int) -> int:
+    """Tokens of the longest tree the generator can draw: operators at depths 1..max_depth−1 with max_args
+    arguments each, digits at depth max_depth."""
+    length = 1
+    for _ in range(max_depth - 1):
+        length = 2 + max_args * length
+    return length
 
 
 def generate_splits(sizes: dict, seed: int = 0, **kw) -> dict:
@@ -226,7 +235,11 @@ def load_lra_dir(folder: Path) -> dict:
     missing = [f for f in SPLIT_FILES.values() if not (folder / f).is_file()]
     if missing:
         raise ListOpsDataError(f"{folder}: missing {', '.join(missing)} (the LRA release's listops-1000 folder)")
-    return {split: read_tsv(folder / name) for split, name in SPLIT_FILES.items()}
+    splits = {split: read_tsv(folder / name) for split, name in SPLIT_FILES.items()}
+    for split, name in SPLIT_FILES.items():
+        if not splits[split]:
+            raise ListOpsDataError(f"{folder / name}: no rows after the header")
+    return splits
 
 
 def encode(tokens: Sequence[str], max_length: int) -> List[int]:

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig, config_from_dict
 from ..model import Encoder, init_weights
+from ..errors import UserError
+from ..runtime import linear_warmup_decay, resolve_device
 from . import listops
 
 # Per-attention hyper-parameters of the LRA comparison (Nyströmformer paper, Table 6 setup).
@@ -56,6 +58,23 @@ class RunSettings:
     seed: int = 0
     device: str = "cpu"
     time_limit_s: Optional[float] = None  # stop training after this many seconds; the table reports steps run
+
+    def __post_init__(self):
+        # Checked here, not deep in training (a modulo by zero, an empty best checkpoint); named as the flag.
+        at_least = {"num_layers": 1, "dim": 1, "num_head": 1, "ffn_dim": 1, "batch_size": 1, "warmup": 0,
+                    "steps": 1, "eval_every": 1, "max_length": 1}
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                raise UserError(f"--{name.replace('_', '-')}: must be at least {low}, got {getattr(self, name)}")
+        if self.warmup >= self.steps:
+            raise UserError(f"--warmup: {self.warmup} warm-up steps are not fewer than --steps {self.steps}: the rate "
+                            f"would never reach its peak and decay; lower --warmup")
+        for name in ("learning_rate", "eval_batches"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise UserError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+        for name in ("weight_decay", "time_limit_s"):  # a time limit of 0 s: one step, then dev and test
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise UserError(f"--{name.replace('_', '-')}: must be at least 0, got {getattr(self, name)}")
 
 
 class ListOpsClassifier(nn.Module):
@@ -119,33 +138,28 @@ def accuracy(model: nn.Module, data, batch_size: int, device, max_batches: Optio
     return correct / max(total, 1)
 
 
-def lr_at(step: int, s: RunSettings) -> float:
-    """Linear warm-up to the peak, then linear decay to 0 at the last step (LRA's schedule)."""
-    if s.warmup > 0 and step < s.warmup:
-        return s.learning_rate * (step + 1) / s.warmup
-    rest = max(1, s.steps - s.warmup)
-    return s.learning_rate * max(0.0, 1.0 - (step - s.warmup) / rest)
-
-
 def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides: Optional[dict] = None,
               log=None) -> dict:
+    empty = [split for split in ("train", "dev", "test") if not splits[split]]
+    if empty:  # an empty training split would loop for ever looking for a batch
+        raise ValueError(f"no rows in the {', '.join(empty)} split(s)")
     torch.manual_seed(s.seed)
     rng = random.Random(s.seed)
-    device = torch.device(s.device)
+    device = resolve_device(s.device)
     model = ListOpsClassifier(model_config(attn_type, s, overrides), hidden=s.ffn_dim).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
+    schedule = linear_warmup_decay(opt, s.steps, s.warmup)
     best_dev, best_state, best_step = -1.0, None, 0
     step, start = 0, time.time()
     stopped_early = False
     model.train()
     while step < s.steps and not stopped_early:
         for ids, mask, y in batches(splits["train"], s.batch_size, shuffle=True, rng=rng):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, s)
             loss = F.cross_entropy(model(ids.to(device), mask.to(device)), y.to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            schedule.step()
             step += 1
             stopped_early = s.time_limit_s is not None and time.time() - start > s.time_limit_s
             if step % s.eval_every == 0 or step == s.steps or stopped_early:

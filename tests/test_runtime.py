@@ -1,0 +1,68 @@
+"""The pieces every command shares: the device a --device names, the fine-tuning learning-rate schedule."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from nystromformer.cli import main
+from nystromformer.errors import UserError
+from nystromformer.runtime import linear_warmup_decay, resolve_device
+
+
+def test_the_default_device_is_the_local_ranks_gpu_when_there_is_one_else_the_cpu():
+    expected = torch.device("cuda", 1) if torch.cuda.is_available() and torch.cuda.device_count() > 1 else None
+    if torch.cuda.is_available():
+        assert resolve_device(None) == torch.device("cuda", 0)
+        assert resolve_device("cuda") == torch.device("cuda", 0)  # an index, as torch.cuda.set_device needs
+        if expected is not None:
+            assert resolve_device(None, local_rank=1) == expected
+    else:
+        assert resolve_device(None) == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name, says", [
+    ("gpu", "--device gpu: not a device; use cpu, cuda or cuda:N"),
+    ("cuda:x", "--device cuda:x: not a device"),
+    ("mps", "--device mps: only cpu and cuda devices are supported"),
+    ("cuda:99", "--device cuda:99: "),
+])
+def test_a_device_this_machine_cannot_use_is_an_error_naming_the_flag(name, says):
+    with pytest.raises(UserError) as error:
+        resolve_device(name)
+    assert str(error.value).startswith(says)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_asking_for_cuda_on_a_machine_without_a_gpu_says_so():
+    with pytest.raises(UserError, match="--device cuda: PyTorch sees no CUDA GPU here .* use --device cpu"):
+        resolve_device("cuda")
+
+
+def rates(total_steps, warmup_steps, peak=1e-3):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    schedule = linear_warmup_decay(opt, total_steps, warmup_steps)
+    out = []
+    for _ in range(total_steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    return out
+
+
+def test_fine_tuning_schedule_rises_linearly_to_the_peak_then_falls_linearly_to_zero_at_the_end():
+    lr = rates(total_steps=10, warmup_steps=4)
+    assert lr == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3 * 5 / 6, 1e-3 * 4 / 6, 1e-3 * 3 / 6,
+                                1e-3 * 2 / 6, 1e-3 / 6])
+
+
+def test_fine_tuning_schedule_without_warm_up_starts_at_the_peak():
+    assert rates(total_steps=4, warmup_steps=0) == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+@pytest.mark.parametrize("command", [["pretrain"], ["validate"], ["glue", "--task", "RTE", "--checkpoint", "0"],
+                                     ["listops-train", "--generate", "--out", "unused"]])
+def test_every_command_that_takes_a_device_names_a_bad_one_in_one_line(capsys, command):
+    model_dir = ["--model-dir", str(Path(__file__).parents[1] / "nystrom-512")] if command[0] != "listops-train" else []
+    assert main([*command, *model_dir, "--device", "gpu"]) == 2
+    assert capsys.readouterr().err == "error: --device gpu: not a device; use cpu, cuda or cuda:N\n"
