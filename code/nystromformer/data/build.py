@@ -270,17 +270,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
                  shard_size: int = SHARD_SIZE, dev_fraction: float = 0.1, seed: int = 0, workers: int = 1,
                  on_partition_done: Optional[Callable[[Task], None]] = None, dev_run: int = DEV_RUN) -> dict:
     """Build (or resume) a shard folder; returns the stats written to ``stats.json``."""
-    if dev_run < 1:
-        raise BuildError(f"--dev-run must be at least 1 (sequences), got {dev_run}")
-    if seq_len < 3:
-        raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
-    if not 0 <= dev_fraction < 1:
-        raise BuildError(f"--dev-fraction must be in [0, 1), got {dev_fraction}")
-    if shard_size < 1:
-        raise BuildError(f"--shard-size must be at least 1, got {shard_size}")
-    names = [d.name for d in datasets]
-    if len(set(names)) != len(names):
-        raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
+    _check_options(datasets, seq_len, shard_size, dev_fraction, dev_run)
     output = Path(output)
     # Check every input before writing anything: a failed command must not leave a meta.json behind.
     tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
@@ -288,38 +278,15 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
                      seed=seed, shard_size=shard_size)
-    existing = output / "meta.json"
-    if existing.is_file():
-        try:
-            old = json.loads(existing.read_text())
-        except json.JSONDecodeError as e:
-            raise BuildError(f"{existing}: not valid JSON ({e}); delete the folder and build again") from None
-        new = json.loads(json.dumps(meta))
-        old.setdefault("dev_run", 1)  # built before the option: split per sequence
-        changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
-        if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
-            changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
-        if changed:
-            raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
-                             f" build into a new folder or delete it")
-    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
-    if not existing.is_file():
-        write_meta(output, meta)
+    _open_output(output, meta, tokenizer)
 
-    def manifest_path(task: Task) -> Path:
-        return output / MANIFEST_DIR / f"{task.key}.json"
-
-    def finished(task: Task) -> bool:
-        path = manifest_path(task)
-        return path.is_file() and json.loads(path.read_text())["source"] == task.fingerprint()
-
-    pending = [t for t in tasks if not finished(t)]
+    pending = [t for t in tasks if not _finished(output, t)]
     log.info("%d of %d partition files to encode (%d already done)", len(pending), len(tasks),
              len(tasks) - len(pending))
     options = dict(shard_size=shard_size, dev_fraction=dev_fraction, seed=seed, dev_run=dev_run)
 
     def record(task: Task, entry: dict) -> None:
-        atomic.write_json(manifest_path(task), entry)  # written after the shards: its presence means done
+        atomic.write_json(_manifest_path(output, task), entry)  # written after the shards: its presence means done
         if on_partition_done is not None:
             on_partition_done(task)
 
@@ -338,6 +305,63 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
             progress.update()
     progress.close()
 
+    _check_inputs_unchanged(datasets, tasks)
+    # The split indexes and stats come from the manifest, in input order (not completion order).
+    entries = [json.loads(_manifest_path(output, t).read_text()) for t in tasks]
+    _write_split_indexes(output, entries)
+    stats = _summarise(datasets, entries, seq_len, dev_fraction, dev_run)
+    _write_json_if_changed(output / "stats.json", stats)
+    log.info("%s: %d train and %d dev sequences of %d tokens", output, stats["train_sequences"],
+             stats["dev_sequences"], seq_len)
+    return stats
+
+
+def _check_options(datasets: Sequence[DatasetSpec], seq_len: int, shard_size: int, dev_fraction: float,
+                   dev_run: int) -> None:
+    if dev_run < 1:
+        raise BuildError(f"--dev-run must be at least 1 (sequences), got {dev_run}")
+    if seq_len < 3:
+        raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
+    if not 0 <= dev_fraction < 1:
+        raise BuildError(f"--dev-fraction must be in [0, 1), got {dev_fraction}")
+    if shard_size < 1:
+        raise BuildError(f"--shard-size must be at least 1, got {shard_size}")
+    names = [d.name for d in datasets]
+    if len(set(names)) != len(names):
+        raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
+
+
+def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
+    """A new shard folder gets its meta.json; an existing one must have been built with the same settings."""
+    existing = output / "meta.json"
+    if existing.is_file():
+        try:
+            old = json.loads(existing.read_text())
+        except json.JSONDecodeError as e:
+            raise BuildError(f"{existing}: not valid JSON ({e}); delete the folder and build again") from None
+        new = json.loads(json.dumps(meta))
+        old.setdefault("dev_run", 1)  # built before the option: split per sequence
+        changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
+        if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
+            changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
+        if changed:
+            raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
+                             f" build into a new folder or delete it")
+    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
+    if not existing.is_file():
+        write_meta(output, meta)
+
+
+def _manifest_path(output: Path, task: Task) -> Path:
+    return output / MANIFEST_DIR / f"{task.key}.json"
+
+
+def _finished(output: Path, task: Task) -> bool:
+    path = _manifest_path(output, task)
+    return path.is_file() and json.loads(path.read_text())["source"] == task.fingerprint()
+
+
+def _check_inputs_unchanged(datasets: Sequence[DatasetSpec], tasks: List[Task]) -> None:
     # The indexes must describe the folders as they are: a swap after a file was encoded (or skipped) is an error.
     for d in datasets:
         listed = [t.source for t in tasks if t.dataset == d.name]
@@ -346,8 +370,9 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
                              f"not those listed at the start): rerun build-shards after preprocess has finished")
     for task in tasks:
         task.check_unchanged()
-    # Assemble the split indexes and stats from the manifest, in input order (not completion order).
-    entries = [json.loads(manifest_path(t).read_text()) for t in tasks]
+
+
+def _write_split_indexes(output: Path, entries: List[dict]) -> None:
     for split in ("train", "dev"):
         files = [name for e in entries for name in e["shards"][split]]
         rows = [r for e in entries for r in e["shard_rows"][split]]
@@ -356,6 +381,11 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
         index = output / f"{split}.json"
         if not index.is_file() or json.loads(index.read_text()) != expected:
             write_split_index(output, split, files)
+
+
+def _summarise(datasets: Sequence[DatasetSpec], entries: List[dict], seq_len: int, dev_fraction: float,
+               dev_run: int) -> dict:
+    """stats.json: per-dataset totals of the manifest entries, overall counts, and warnings."""
     stats: dict = {"seq_len": seq_len, "datasets": {}}
     for d in datasets:
         totals: Dict[str, int] = {}
@@ -382,7 +412,4 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     if split_warning:
         stats["warnings"].append(split_warning)
         log.warning("%s", split_warning)
-    _write_json_if_changed(output / "stats.json", stats)
-    log.info("%s: %d train and %d dev sequences of %d tokens", output, stats["train_sequences"],
-             stats["dev_sequences"], seq_len)
     return stats
