@@ -148,3 +148,16 @@ def test_submission_format(tmp_path):
     write_submission(tmp_path / "RTE.tsv", ["0", "1"], ["entailment", "not_entailment"])
     assert (tmp_path / "RTE.tsv").read_text() == "index\tprediction\n0\tentailment\n1\tnot_entailment\n"
     assert read_submission(tmp_path / "RTE.tsv") == [["0", "entailment"], ["1", "not_entailment"]]
+
+
+@pytest.mark.parametrize("score", ["nan", "inf", "-0.5", "700"])
+def test_an_sts_b_score_outside_0_to_5_is_a_malformed_row_named_by_line(tmp_path, score):
+    folder = tmp_path / "STS-B"
+    folder.mkdir()
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    rows = [f"{i}\tmain-captions\tMSRvid\t2012test\t{i}\tnone\tnone\tA man plays.\tA man is playing.\t{s}\n"
+            for i, s in enumerate(["3.2", score, "5.000"])]
+    (folder / "train.tsv").write_text(header + "".join(rows))
+    result = read_split(tmp_path, get_task("STS-B"), "train")
+    assert [e.label for e in result.examples] == [3.2, 5.0]
+    assert result.malformed == [f"train.tsv:3: score {score!r} is outside 0 to 5"]

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from nystromformer import atomic
 from nystromformer.config import ModelConfig
+from nystromformer.errors import UserError
 from nystromformer.glue.commands import main as run_glue_main, settings_to_argv, settings_from_args
 from nystromformer.glue.finetune import (FineTuningDiverged, FinetuneSettings, SettingsError, finetune, log_path,
                                         run_dir)
@@ -485,3 +486,95 @@ def test_empty_grids_and_non_positive_sizes_are_one_error_line(tmp_path, capsys,
     assert main([*flags, "--model-dir", str(tmp_path), "--checkpoint", "0"]) == 2
     err = capsys.readouterr().err
     assert err == f"error: {named}\n"
+
+
+def test_a_rerun_interrupted_after_its_first_weights_leaves_no_result_of_the_run_it_replaces(fixture_model_dir,
+                                                                                          monkeypatch):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    finetune(fixture_model_dir, settings, log=quiet)
+    out = run_dir(fixture_model_dir / "model", settings)
+    assert (out / "result.json").is_file()
+
+    def killed(*args, **kwargs):  # the rerun dies (kill -9, a crash) right after its first best.model
+        raise KeyboardInterrupt
+    monkeypatch.setattr("nystromformer.glue.finetune.atomic.write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(fixture_model_dir, dataclasses.replace(settings, warmup=0.1), log=quiet)
+    # The old scores would describe the new weights: the run counts as unfinished and a sweep redoes it.
+    assert (out / "best.model").is_file() and not (out / "result.json").exists()
+    monkeypatch.undo()
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["ran"] == [settings.run_name]
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_not_fine_tuned_from_random_layers(fixture_model_dir):
+    config = json.loads((fixture_model_dir / "config.json").read_text())
+    config["model"]["num_layers"] = 3
+    (fixture_model_dir / "config.json").write_text(json.dumps(config))
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    with pytest.raises(UserError, match=r"cp-0000.model: lacks encoder weight encoder\.layers\.2\.\S+ \(and \d+ "
+                                        r"more\) for the model config.json describes"):
+        finetune(fixture_model_dir, settings, log=quiet)
+    config["model"]["num_layers"] = 1
+    (fixture_model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"has an extra encoder weight encoder\.layers\.1\."):
+        finetune(fixture_model_dir, settings, log=quiet)
+
+
+def test_a_run_named_twice_in_a_grid_is_run_once():
+    runs = grid(["WNLI", "wnli"], lrs=[1e-3, 0.001], batch_sizes=[4, 4], checkpoint=0)
+    assert [s.run_name for s in runs] == ["WNLI-0-0.001-4-5"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--lr", "nan"], "--lr: must be a positive number, got nan"),
+    (["--lr", "inf"], "--lr: must be a positive number, got inf"),
+    (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
+    (["--epochs", "0"], "--epoch: must be at least 1, got 0"),
+    (["--warmup", "1"], "--warmup: is the fraction of the steps warming up, in [0, 1), got 1.0"),
+    (["--weight-decay", "-5"], "--weight-decay: must be a number >= 0, got -5.0"),
+    (["--weight-decay", "nan"], "--weight-decay: must be a number >= 0, got nan"),
+    (["--seed", "-1"], "--seed: must be in [0, 2^32) (numpy's seeds), got -1"),
+    (["--max-seq-len", "5"], "--max-seq-len: must be at least 6 for RTE"),
+])
+def test_impossible_fine_tuning_settings_are_one_error_line_naming_the_flag(tmp_path, capsys, flags, named):
+    from nystromformer.cli import main
+    assert main(["glue", "--task", "RTE", *flags, "--model-dir", str(tmp_path), "--checkpoint", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--checkpoint", "7"], "no checkpoint cp-0007.model in "),
+    (["--checkpoint", "0", "--device", "gpu"], "--device gpu: not a device"),
+    (["--checkpoint", "0", "--lrs", "nan"], "--lr: must be a positive number, got nan"),
+])
+def test_a_sweep_that_would_fail_every_run_is_one_error_line_before_the_first(fixture_model_dir, capsys, flags,
+                                                                               named):
+    from nystromformer.cli import main
+    assert main(["glue-sweep", "--tasks", "MRPC", "--model-dir", str(fixture_model_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and len(err.splitlines()) == 1, err
+    assert not (fixture_model_dir / "model" / "glue").exists()
+
+
+def test_stopping_a_parallel_sweep_stops_the_runs_in_flight(fixture_model_dir, monkeypatch):
+    import os
+    import signal
+    import threading
+    import nystromformer.glue.sweep as sweep
+    started = []
+    real_popen = subprocess.Popen
+
+    def long_run(cmd, **kwargs):  # a real child process that would outlive the sweep unless it is stopped
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"], **kwargs))
+        return started[-1]
+    monkeypatch.setattr(sweep.subprocess, "Popen", long_run)
+    runs = grid(["MRPC"], lrs=[1e-3, 2e-3, 3e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(SystemExit) as stopped:
+        run_sweep(fixture_model_dir, runs, devices=["", ""], log=quiet)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert len(started) == 2  # two devices: the third run never started
+    for child in started:
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -141,12 +141,21 @@ def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_
     """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
     Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
     state = load(path)["model_state_dict"]
-    old_len = state[POSITION_KEY].shape[0] - POSITION_OFFSET if POSITION_KEY in state else max_seq_len
+    own = model.state_dict()
+    # The encoder must come whole from the checkpoint (only a task head may be new): a missing or extra encoder
+    # weight means config.json describes another architecture, and fine-tuning would start from random layers.
+    for keys, what in (([k for k in own if k.startswith("encoder.") and k not in state], "lacks"),
+                       ([k for k in state if k.startswith("encoder.") and k not in own], "has an extra")):
+        if keys:
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            raise CheckpointError(f"{path}: {what} encoder weight {keys[0]}{more} for the model config.json "
+                                  f"describes; is it the same architecture (model.num_layers, attn_type, "
+                                  f"conv_kernel_size, ...)?")
+    old_len = state[POSITION_KEY].shape[0] - POSITION_OFFSET
     state = extend_position_embeddings(state, max_seq_len)
     if old_len != max_seq_len:
         log(f"position embeddings tiled from {old_len} to {max_seq_len} positions ({max_seq_len // old_len} copies "
             f"of the checkpoint's)")
-    own = model.state_dict()
     mismatched = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
     if mismatched:
         k = mismatched[0]

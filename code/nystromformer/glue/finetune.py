@@ -81,17 +81,30 @@ class FinetuneSettings:
     progress: bool = True                   # tqdm bar over training batches
 
     def __post_init__(self):
-        self.task = get_task(self.task).name
-        if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
-            raise SettingsError(f"need lr > 0, batch_size >= 1 and epochs >= 1 (got {self.lr}, "
-                             f"{self.batch_size}, {self.epochs})")
-        if not 0 <= self.warmup < 1:
-            raise SettingsError(f"warmup is a fraction of the steps in [0, 1), got {self.warmup}")
-        for name in ("max_train_examples", "max_eval_examples", "max_seq_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise SettingsError(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(self, name)}")
-        if self.eval_batch_size < 1:
-            raise SettingsError(f"--eval-batch-size: must be at least 1, got {self.eval_batch_size}")
+        task = get_task(self.task)
+        self.task = task.name
+        checks = [
+            ("--lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "must be a positive number"),
+            ("--batch-size", self.batch_size, self.batch_size >= 1, "must be at least 1"),
+            ("--epoch", self.epochs, self.epochs >= 1, "must be at least 1"),
+            ("--warmup", self.warmup, 0 <= self.warmup < 1, "is the fraction of the steps warming up, in [0, 1)"),
+            ("--weight-decay", self.weight_decay, math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             "must be a number >= 0"),
+            ("--seed", self.seed, 0 <= self.seed < 2 ** 32, "must be in [0, 2^32) (numpy's seeds)"),
+            ("--eval-batch-size", self.eval_batch_size, self.eval_batch_size >= 1, "must be at least 1"),
+        ]
+        for name in ("max_train_examples", "max_eval_examples"):
+            value = getattr(self, name)
+            checks.append((f"--{name.replace('_', '-')}", value, value is None or value >= 1, "must be at least 1"))
+        # <s> a </s> (+ </s> b </s> for pairs) and one token of each text: below that the tokenizer cannot
+        # truncate to the length and would silently ignore it.
+        shortest = 6 if any(columns.text_b is not None for _, columns in task.dev.values()) else 3
+        checks.append(("--max-seq-len", self.max_seq_len, self.max_seq_len is None or self.max_seq_len >= shortest,
+                       f"must be at least {shortest} for {task.name} (its special tokens and one token of each "
+                       f"text)"))
+        for flag, value, ok, rule in checks:
+            if not ok:
+                raise SettingsError(f"{flag}: {rule}, got {value}")
 
     @property
     def run_suffix(self) -> str:
@@ -122,9 +135,10 @@ def _stored_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        stored = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
+    return stored if isinstance(stored, dict) else None  # not a result this code wrote: the run is redone
 
 
 def settings_differences(settings: FinetuneSettings, stored: dict) -> List[str]:
@@ -301,6 +315,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     if stored is not None and previous is None:
         log(f"warning: replacing {out_dir}, a run made with other settings "
             f"({', '.join(settings_differences(settings, stored.get('settings', {})))})")
+    # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
+    # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model.
+    if (out_dir / "result.json").exists():
+        (out_dir / "result.json").unlink()
+        atomic.fsync_dir(out_dir)
     if list(dev_examples) == ["dev"]:
         dev_counts = _count(len(dev_examples["dev"]), "dev example")
     else:

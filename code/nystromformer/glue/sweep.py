@@ -19,8 +19,10 @@ import io
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -41,8 +43,10 @@ CODE_DIR = Path(__file__).resolve().parents[2]   # the folder holding the nystro
 
 
 def grid(tasks: Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], **common) -> List[FinetuneSettings]:
-    """One FinetuneSettings per (task, lr, batch size); ``common`` sets the rest (checkpoint, epochs...)."""
-    return [FinetuneSettings(task=t, lr=lr, batch_size=bs, **common) for t in tasks for lr in lrs for bs in batch_sizes]
+    """One FinetuneSettings per (task, lr, batch size); ``common`` sets the rest (checkpoint, epochs...). A run
+    named twice (``WNLI,wnli``, ``1e-3,0.001``) is run once: two copies would write one folder."""
+    runs = [FinetuneSettings(task=t, lr=lr, batch_size=bs, **common) for t in tasks for lr in lrs for bs in batch_sizes]
+    return list({s.run_name: s for s in reversed(runs)}.values())[::-1]
 
 
 def summary_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
@@ -72,7 +76,8 @@ def _summary_key(settings: FinetuneSettings) -> tuple:
     return settings.checkpoint, settings.seed, settings.max_train_examples
 
 
-def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, checkpoint_dir: Path) -> int:
+def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, checkpoint_dir: Path,
+                    children: set) -> int:
     from .commands import settings_to_argv
 
     out = run_dir(checkpoint_dir, settings)
@@ -84,7 +89,16 @@ def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, ch
            *settings_to_argv(dataclasses.replace(settings, progress=False))]  # the console goes to a file
     # The console output of the latest attempt (rewritten each time); result.json marks completion.
     with open(out / "console.txt", "w") as console:
-        return subprocess.run(cmd, env=env, stdout=console, stderr=subprocess.STDOUT).returncode
+        child = subprocess.Popen(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
+        children.add(child)  # so that a stopped sweep stops its runs too
+        try:
+            return child.wait()
+        finally:
+            children.discard(child)
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices: Optional[List[str]] = None,
@@ -111,12 +125,16 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         free = queue.Queue()
         for d in devices:
             free.put(d)
+        children: set = set()
+        stopping = threading.Event()
 
         def work(settings: FinetuneSettings) -> None:
             device = free.get()
             try:
+                if stopping.is_set():
+                    return
                 log(f"start {settings.run_name} on CUDA_VISIBLE_DEVICES={device}")
-                code = _run_subprocess(model_dir, settings, device, checkpoint_dir)
+                code = _run_subprocess(model_dir, settings, device, checkpoint_dir, children)
                 if code != 0:
                     failed.append(settings.run_name)
                     console = run_dir(checkpoint_dir, settings) / "console.txt"
@@ -124,8 +142,23 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
             finally:
                 free.put(device)
 
-        with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        # Ctrl-C or SIGTERM (docker stop, a scheduler) stops the runs in flight and starts no more: orphaned
+        # workers would go on writing the run folders a rerun starts again.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _stop_on_sigterm) if in_main_thread else None
+        pool = ThreadPoolExecutor(max_workers=len(devices))
+        try:
             list(pool.map(work, pending))
+        except BaseException:
+            stopping.set()
+            for child in list(children):
+                child.terminate()
+            log(f"stopped: {len(children)} run(s) in flight terminated; rerun the sweep to redo them")
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, previous)
     else:
         for i, settings in enumerate(pending, 1):
             log(f"run {i}/{len(pending)}: {settings.run_name}")

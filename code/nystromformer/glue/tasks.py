@@ -114,6 +114,7 @@ TASKS: Dict[str, Task] = {t.name: t for t in [
 ]}
 
 # The diagnostic set: test-only, three NLI classes, predicted with the MNLI model.
+SCORE_RANGE = (0.0, 5.0)  # STS-B, GLUE's one regression task: similarity from 0 to 5
 AX_FILES = ("diagnostic/diagnostic.tsv", "AX/AX.tsv", "AX/test.tsv")
 AX_COLUMNS = _test_pair()
 
@@ -199,6 +200,10 @@ def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_la
                         label = float(raw)
                     except ValueError:
                         result.malformed.append(f"{where}: score {raw!r} is not a number")
+                        continue
+                    if not SCORE_RANGE[0] <= label <= SCORE_RANGE[1]:  # also NaN and inf
+                        result.malformed.append(f"{where}: score {raw!r} is outside {SCORE_RANGE[0]:g} to "
+                                                f"{SCORE_RANGE[1]:g}")
                         continue
                 elif raw in label_ids:
                     label = label_ids[raw]
