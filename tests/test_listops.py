@@ -101,6 +101,7 @@ def test_an_empty_split_file_is_an_error_naming_it(tmp_path):
     (["--train-size", "0"], "--train-size: must be at least 1, got 0"),
     (["--test-size", "-1"], "--test-size: must be at least 1, got -1"),
     (["--max-depth", "1"], "--max-depth: must be at least 2"),
+    (["--max-depth", "1200"], "--max-depth: at most 500 (LRA uses 10), got 1200"),
     (["--max-args", "1"], "--max-args: an operator takes 2 to --max-args arguments; must be at least 2, got 1"),
     (["--gen-max-length", "3", "--min-length", "2"], "--gen-max-length: the shortest expression has 4 tokens"),
     (["--min-length", "50", "--gen-max-length", "40"], "--min-length 50 is above --gen-max-length 40"),
@@ -119,6 +120,30 @@ def test_generation_limits_no_tree_can_meet_are_one_error_line_not_minutes_of_dr
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_deep_trees_far_longer_than_the_limit_are_abandoned_not_completed():
+    # At depth 20 most trees run to tens of thousands of tokens and more: completing each took minutes in all.
+    rows = listops.generate(10, seed=0, max_depth=20, max_args=10, min_length=10, max_length=60)
+    assert len(rows) == 10 and all(10 <= len(src.split()) <= 60 for src, _ in rows)
+    assert all(listops.evaluate_expression(src) == label for src, label in rows)
+
+
+def test_abandoning_long_trees_keeps_the_data_of_full_generation_at_lra_depth(monkeypatch):
+    abandoning = listops.generate(300, seed=3, max_depth=10, max_args=10, min_length=501, max_length=1999)
+    monkeypatch.setattr(listops, "GIVE_UP_FACTOR", 10 ** 9)
+    assert listops.generate(300, seed=3, max_depth=10, max_args=10, min_length=501, max_length=1999) == abandoning
+
+
+@pytest.mark.parametrize("content, message", [
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAXX 1 2 ]\t2\n", r"x.tsv:3: unknown token\(s\) '\[MAXX'"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", r"x.tsv:2: expected 2 tab-separated columns, got 3"),
+    ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAX 1 \udcff ]\t2\n", r"x.tsv:3: not UTF-8"),
+])
+def test_a_listops_file_row_that_is_not_listops_is_an_error_naming_the_line(tmp_path, content, message):
+    (tmp_path / "x.tsv").write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.raises(listops.ListOpsDataError, match=message):
+        listops.read_tsv(tmp_path / "x.tsv")
 
 
 def test_the_longest_tree_bound_is_reached_by_the_generator():
@@ -202,6 +227,11 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
     (["--time-limit-s", "-5"], "--time-limit-s: must be at least 0, got -5.0"),
     (["--device", "gpu"], "--device gpu: not a device; use cpu, cuda or cuda:N"),
     (["--device", "cuda:99"], "--device cuda:99: "),
+    (["--attn-types", " , "], "--attn-types: give at least one of softmax"),
+    (["--set", 'attn_type="linformer"'], "--set attn_type: the attention is chosen by --attn-types"),
+    (["--set", "max_seq_len=8"], "--set max_seq_len: set by --max-length"),
+    (["--learning-rate", "inf"], "--learning-rate: must be positive, got inf"),
+    (["--out", str(FIXTURES / "basic_train.tsv")], "is a file, not a folder"),
 ])
 def test_user_mistakes_are_one_error_line_before_any_training(tmp_path, capsys, flags, named):
     argv = ["listops-train", "--data", str(FIXTURES), "--out", str(tmp_path / "out"), "--attn-types", "softmax"]

@@ -17,6 +17,18 @@ import torch
 PathLike = Union[str, os.PathLike]
 
 
+def check_output_folder(path: PathLike, flag: str = "--output") -> None:
+    """A folder can be made at ``path``: checked before a command's slow work, so that an output under a file is
+    one error line, not a traceback at the end."""
+    from .errors import UserError
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise UserError(f"{flag} {path}: {p} is a file, not a folder")
+            return
+
+
 @contextmanager
 def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
     path = Path(path)

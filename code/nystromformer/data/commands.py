@@ -5,6 +5,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..atomic import check_output_folder
 from ..cli import add_subcommand
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
 
@@ -21,19 +22,9 @@ def _check_exists(paths, what: str) -> None:
             raise InputError(f"{path}: {what} does not exist")
 
 
-def _check_output(path: Path) -> None:
-    """The output can be a folder: checked first, so that a mistake is one line, not a traceback mid-run."""
-    from .partitions import InputError
-    for p in (path, *path.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise InputError(f"--output {path}: {p} is a file, not a folder")
-            return
-
-
 def cmd_extract_wiki(args) -> int:
     from .wiki import extract_wiki
-    _check_output(Path(args.output))
+    check_output_folder(args.output)
     _logging()
     if not Path(args.dump).is_file():
         from .partitions import InputError
@@ -43,7 +34,7 @@ def cmd_extract_wiki(args) -> int:
 
 def cmd_preprocess(args) -> int:
     from .partitions import InputError, PartitionError, write_partitions
-    _check_output(Path(args.output))
+    check_output_folder(args.output)
     _logging()
     options = {}
     if args.dataset == "bookcorpus" and args.document_per_file:
@@ -74,7 +65,7 @@ def cmd_preprocess(args) -> int:
 
 def cmd_train_tokenizer(args) -> int:
     from .tokenize import train_tokenizer
-    _check_output(Path(args.output))
+    check_output_folder(args.output)
     _logging()
     train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency)
     return 0
@@ -82,7 +73,7 @@ def cmd_train_tokenizer(args) -> int:
 
 def cmd_build_shards(args) -> int:
     from .build import build_shards, parse_dataset
-    _check_output(Path(args.output))
+    check_output_folder(args.output)
     _logging()
     build_shards([parse_dataset(d) for d in args.datasets], args.output, args.tokenizer, args.seq_len,
                  args.shard_size, args.dev_fraction, args.seed, args.workers, dev_run=args.dev_run)

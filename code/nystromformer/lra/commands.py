@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..cli import add_subcommand
 from ..config import ATTENTION_TYPES
+from ..atomic import check_output_folder
 from ..errors import UserError
 from ..runtime import resolve_device
 from . import listops
@@ -44,6 +45,8 @@ def check_generation_arguments(args) -> None:
     for flag, n in (("--train-size", args.train_size), ("--dev-size", args.dev_size), ("--test-size", args.test_size)):
         if n < 1:
             raise UserError(f"{flag}: must be at least 1, got {n}")
+    if args.max_depth > listops.MAX_DEPTH:
+        raise UserError(f"--max-depth: at most {listops.MAX_DEPTH} (LRA uses 10), got {args.max_depth}")
     if args.max_depth < 2:
         raise UserError(f"--max-depth: must be at least 2 (the root operator is depth 1, digits are depth "
                         f"--max-depth), got {args.max_depth}")
@@ -73,11 +76,23 @@ def add_gen_arguments(p):
 
 
 def run_generate(args) -> int:
+    check_output_folder(args.out, "--out")
     splits = generate_from_args(args)
     for split, rows in splits.items():
         listops.write_tsv(args.out / listops.SPLIT_FILES[split], rows)
         print(f"{split}: {len(rows)} rows -> {args.out / listops.SPLIT_FILES[split]}")
     return 0
+
+
+# Model keys a flag or the data decides: a --set of them would train another model than the table names.
+FLAG_OWNED_KEYS = {
+    "attn_type": "the attention is chosen by --attn-types (the results table is labelled by it)",
+    "max_seq_len": "set by --max-length (what the data is truncated to)",
+    "vocab_size": "fixed by the ListOps vocabulary", "pad_token_id": "fixed by the ListOps vocabulary",
+    "embedding_dim": "set by --dim", "transformer_dim": "set by --dim", "head_dim": "--dim / --num-head",
+    "num_head": "set by --num-head", "num_layers": "set by --num-layers", "transformer_hidden_dim": "set by --ffn-dim",
+    "dropout_prob": "set by --dropout",
+}
 
 
 def add_train_arguments(p):
@@ -108,6 +123,8 @@ def add_train_arguments(p):
 
 def run_train(args) -> int:
     names = [a.strip() for a in args.attn_types.split(",") if a.strip()]
+    if not names:
+        raise UserError(f"--attn-types: give at least one of {', '.join(ATTENTION_TYPES)}")
     bad = [a for a in names if a not in ATTENTION_TYPES]
     if bad:
         raise UserError(f"--attn-types: unknown attention type(s) {', '.join(bad)} (known: "
@@ -120,12 +137,15 @@ def run_train(args) -> int:
         except json.JSONDecodeError:
             raise UserError(f"--set {item}: the value must be JSON, e.g. --set num_landmarks=32 or "
                             f"--set linformer_sharing='\"kv\"'") from None
+        if key in FLAG_OWNED_KEYS:
+            raise UserError(f"--set {key}: {FLAG_OWNED_KEYS[key]}")
     settings = RunSettings(**{k: getattr(args, k) for k in RunSettings().__dict__})
     try:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
     resolve_device(settings.device)
+    check_output_folder(args.out, "--out")
     if args.generate:
         check_generation_arguments(args)
     for name in names:  # every run's settings checked before the first one trains

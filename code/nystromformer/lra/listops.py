@@ -19,8 +19,11 @@ from __future__ import annotations
 import csv
 import random
 from pathlib import Path
-from typing import Iterable, List, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from tqdm import tqdm
+
+from .. import atomic
 from ..errors import UserError
 
 
@@ -38,6 +41,8 @@ NUM_CLASSES = 10
 SPLIT_FILES = {"train": "basic_train.tsv", "dev": "basic_val.tsv", "test": "basic_test.tsv"}
 
 Tree = Union[int, Tuple[str, list]]
+GIVE_UP_FACTOR = 64  # a tree is abandoned once it has more than this × max_length tokens (see generate)
+MAX_DEPTH = 500  # deeper recursion than Python's default limit allows
 
 
 def _apply(op: str, args: Sequence[int]) -> int:
@@ -54,17 +59,25 @@ def _apply(op: str, args: Sequence[int]) -> int:
     raise ValueError(f"unknown operator {op!r}")
 
 
-def generate_tree(rng: random.Random, depth: int, max_depth: int, max_args: int) -> Tuple[Tree, int]:
-    """A random tree and its token count (LRA's generate_tree, minus the binarised tuples)."""
+class _TooLong(Exception):
+    pass
+
+
+def generate_tree(rng: random.Random, depth: int, max_depth: int, max_args: int,
+                  give_up_after: Optional[int] = None) -> Tuple[Tree, int]:
+    """A random tree and its token count (LRA's generate_tree, minus the binarised tuples). With
+    ``give_up_after``, a tree that grows past that many tokens is abandoned (_TooLong) instead of completed."""
     is_op = depth == 1 or (depth < max_depth and rng.random() < OPERATOR_P)
     if not is_op:
         return rng.randrange(10), 1
     op = rng.choice(OPERATORS)
     args, length = [], 2
     for _ in range(rng.randint(2, max_args)):
-        sub, sub_len = generate_tree(rng, depth + 1, max_depth, max_args)
+        sub, sub_len = generate_tree(rng, depth + 1, max_depth, max_args, give_up_after)
         args.append(sub)
         length += sub_len
+        if give_up_after is not None and length > give_up_after:
+            raise _TooLong
     return (op, args), length
 
 
@@ -91,10 +104,20 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
     """``num_samples`` distinct (source, label) pairs with min_length ≤ tokens ≤ max_length."""
     rng = random.Random(seed)
     seen, out = set(), []
-    for _ in range(max_tries):
+    # Trees grow exponentially with depth (at depth 10 the longest of 44k draws had 6,216 tokens, at 16 68k):
+    # one far beyond max_length is abandoned rather than completed. The draws of every tree that is completed are
+    # LRA's, so at LRA's settings, where no tree comes near this bound, the data is that of full generation.
+    give_up_after = GIVE_UP_FACTOR * max_length
+    progress = tqdm(total=num_samples, desc="generating ListOps trees", unit=" trees", mininterval=2,
+                    disable=num_samples < 1000)
+    for tries in range(max_tries):
         if len(out) == num_samples:
+            progress.close()
             return out
-        tree, length = generate_tree(rng, 1, max_depth, max_args)
+        try:
+            tree, length = generate_tree(rng, 1, max_depth, max_args, give_up_after)
+        except _TooLong:
+            continue
         if not (min_length <= length <= max_length):
             continue
         source = " ".join(tree_tokens(tree))
@@ -102,6 +125,9 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
             continue
         seen.add(source)
         out.append((source, tree_value(tree)))
+        progress.update()
+        progress.set_postfix(tries=tries + 1, refresh=False)
+    progress.close()
     raise ListOpsDataError(f"only {len(out)} of {num_samples} distinct trees with {min_length} <= length <= "
                            f"{max_length} at depth <= {max_depth} after {max_tries} tries; widen the limits")
 
@@ -199,7 +225,7 @@ def expression_depth(source: str) -> int:
 # ---- files -----------------------------------------------------------------------------------------------
 def write_tsv(path: Path, rows: Iterable[Tuple[str, int]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with atomic.atomic_open(path, "w") as f:
         f.write("Source\tTarget\n")
         for src, lab in rows:
             f.write(f"{src}\t{lab}\n")
@@ -207,25 +233,45 @@ def write_tsv(path: Path, rows: Iterable[Tuple[str, int]]) -> None:
 
 def read_tsv(path: Path) -> List[Tuple[List[str], int]]:
     """Rows of an LRA ListOps TSV (``Source\\tTarget`` header) as (tokens without parentheses, label)."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # streamed: LRA's training file is ~0.3 GB
+            return _read_rows(path, csv.reader(f, delimiter="\t"))
+    except UnicodeDecodeError as e:
+        with open(path, "rb") as f:  # the error comes from a read-ahead block: find its line
+            line = next(n for n, raw in enumerate(f, start=1) if not _decodes(raw))
+        raise ListOpsDataError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _read_rows(path: Path, reader) -> List[Tuple[List[str], int]]:
+    header = next(reader, None)
+    if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
+        raise ListOpsDataError(f"{path}: expected a 'Source<TAB>Target' header, got {header!r}")
     rows = []
-    with open(path, newline="") as f:
-        reader = csv.reader(f, delimiter="\t")
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["Source", "Target"]:
-            raise ListOpsDataError(f"{path}: expected a 'Source<TAB>Target' header, got {header!r}")
-        for lineno, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) < 2:
-                raise ListOpsDataError(f"{path}:{lineno}: expected 2 tab-separated columns")
-            tokens = [t for t in row[0].split() if t not in ("(", ")")]
-            try:
-                label = int(row[1])
-            except ValueError:
-                raise ListOpsDataError(f"{path}:{lineno}: label {row[1]!r} is not an integer") from None
-            if not 0 <= label < NUM_CLASSES:
-                raise ListOpsDataError(f"{path}:{lineno}: label {label} outside 0-9")
-            rows.append((tokens, label))
+    for lineno, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        if len(row) != 2:
+            raise ListOpsDataError(f"{path}:{lineno}: expected 2 tab-separated columns, got {len(row)}")
+        tokens = [t for t in row[0].split() if t not in ("(", ")")]
+        unknown = sorted(set(tokens) - set(TOKEN_ID))
+        if unknown:
+            raise ListOpsDataError(f"{path}:{lineno}: unknown token(s) {', '.join(map(repr, unknown[:5]))} "
+                                   f"(ListOps has digits 0-9, {' '.join(OPERATORS)} and ])")
+        try:
+            label = int(row[1])
+        except ValueError:
+            raise ListOpsDataError(f"{path}:{lineno}: label {row[1]!r} is not an integer") from None
+        if not 0 <= label < NUM_CLASSES:
+            raise ListOpsDataError(f"{path}:{lineno}: label {label} outside 0-9")
+        rows.append((tokens, label))
     return rows
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import statistics
 import time
@@ -70,10 +71,11 @@ class RunSettings:
             raise UserError(f"--warmup: {self.warmup} warm-up steps are not fewer than --steps {self.steps}: the rate "
                             f"would never reach its peak and decay; lower --warmup")
         for name in ("learning_rate", "eval_batches"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise UserError(f"--{name.replace('_', '-')}: must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise UserError(f"--{name.replace('_', '-')}: must be positive, got {value}")
         for name in ("weight_decay", "time_limit_s"):  # a time limit of 0 s: one step, then dev and test
-            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < math.inf:
                 raise UserError(f"--{name.replace('_', '-')}: must be at least 0, got {getattr(self, name)}")
 
 
