@@ -38,6 +38,8 @@ def with_change(section, key, value):
     ("pretraining_setting", "learning_rate", float("inf"), "learning_rate: must be a finite number, got Infinity"),
     ("model", "dropout_prob", float("nan"), "model.dropout_prob: must be a finite number, got NaN"),
     (None, "from_cp", "", "from_cp: must be a non-empty path, or null"),
+    ("pretraining_setting", "seed", -1, "pretraining_setting.seed: must be in [0, 2^63) (torch's seeds), got -1"),
+    ("pretraining_setting", "seed", 2 ** 70, "pretraining_setting.seed: must be in [0, 2^63)"),
 ])
 def test_bad_values_are_rejected_with_the_key_named(section, key, value, message):
     with pytest.raises(ConfigError, match=None) as err:
@@ -54,6 +56,14 @@ def test_errors_from_files_name_the_file(tmp_path):
         load_config(tmp_path)
     with pytest.raises(ConfigError, match="no config file"):
         load_config(tmp_path / "elsewhere")
+    (tmp_path / "config.json").write_bytes(b'{\n"model": {"attn_type": "nystr\xf6m"}}')  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=r"config.json: not UTF-8 \(line 2"):
+        load_config(tmp_path)
+
+
+def test_a_reformer_bucket_longer_than_the_sequence_is_rejected():
+    with pytest.raises(ConfigError, match=r"model.reformer_bucket_size: must be <= max_seq_len \(32\), got 64"):
+        config_from_dict(tiny_config(attn_type="reformer", reformer_bucket_size=64, num_landmarks=64))
 
 
 def test_non_finite_numbers_in_the_file_are_rejected_with_the_key_named(tmp_path):

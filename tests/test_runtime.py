@@ -66,3 +66,9 @@ def test_every_command_that_takes_a_device_names_a_bad_one_in_one_line(capsys, c
     model_dir = ["--model-dir", str(Path(__file__).parents[1] / "nystrom-512")] if command[0] != "listops-train" else []
     assert main([*command, *model_dir, "--device", "gpu"]) == 2
     assert capsys.readouterr().err == "error: --device gpu: not a device; use cpu, cuda or cuda:N\n"
+
+
+def test_stopping_pretraining_before_its_first_step_is_an_error_naming_the_flag(capsys):
+    model_dir = str(Path(__file__).parents[1] / "nystrom-512")
+    assert main(["pretrain", "--model-dir", model_dir, "--stop-at-step", "-1"]) == 2
+    assert capsys.readouterr().err == "error: --stop-at-step: must be at least 1 (a global step), got -1\n"

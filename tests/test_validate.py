@@ -98,3 +98,31 @@ def test_with_fp16_a_validation_that_overflows_is_measured_again_in_fp32(trained
     monkeypatch.setattr(NystromformerForMaskedLM, "forward", overflow_in_fp16)
     entries = validate(load_config(trained), [1])
     assert entries[0]["precision"] == "fp32 (fp16 overflowed)" and entries[0]["loss"] < 10
+
+
+@pytest.mark.parametrize("section, key, value", [("model", "num_landmarks", 4), ("model", "attn_type", "softmax"),
+                                                 ("pretraining_setting", "mask_prob", 0.5)])
+def test_a_config_edited_after_training_is_refused_not_validated_as_another_model(trained, section, key, value):
+    config = json.loads((trained / "config.json").read_text())
+    old = load_config(trained).to_dict()[section][key]
+    config[section][key] = value
+    (trained / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}: is {json.dumps(value)} but cp-0000.model was "
+                                          rf"trained with {json.dumps(old)}"):
+        validate(load_config(trained), epochs=[0])
+    assert not (trained / "model" / "validation_output.log").exists()
+
+
+def test_a_setting_that_does_not_change_the_figures_may_differ(trained):
+    config = json.loads((trained / "config.json").read_text())
+    config["gpu_setting"]["inst_per_gpu"] = 4
+    config["pretraining_setting"]["validate_batches_per_epoch"] = 1
+    (trained / "config.json").write_text(json.dumps(config))
+    assert len(validate(load_config(trained), epochs=[0])) == 1
+
+
+def test_validating_a_model_folder_that_was_never_pretrained_is_an_error(tmp_path):
+    write_synthetic_data(tmp_path / "data")
+    folder = write_model_dir(tmp_path / "run", tiny_config())
+    with pytest.raises(CheckpointError, match=r"no checkpoint cp-NNNN.model in .*: nothing has been pretrained"):
+        validate(load_config(folder))

@@ -106,6 +106,9 @@ class ModelConfig:
         if self.attn_type in ("linformer", "linformer_revisited"):
             _check(self.linformer_k <= self.max_seq_len, f"{prefix}.linformer_k",
                    f"must be <= max_seq_len ({self.max_seq_len}), got {self.linformer_k}")
+        if self.attn_type == "reformer":  # larger buckets pad every sequence up to them: slower, same model
+            _check(self.reformer_bucket_size <= self.max_seq_len, f"{prefix}.reformer_bucket_size",
+                   f"must be <= max_seq_len ({self.max_seq_len}), got {self.reformer_bucket_size}")
         _check(self.layer_norm_eps > 0, f"{prefix}.layer_norm_eps", "must be > 0")
         _check(0 <= self.pad_token_id < self.vocab_size, f"{prefix}.pad_token_id",
                f"must be a token id below vocab_size ({self.vocab_size}), got {self.pad_token_id}")
@@ -139,6 +142,7 @@ class PretrainingConfig:
         _check(0.0 < self.mask_prob < 1.0, f"{prefix}.mask_prob", f"must be in (0, 1), got {self.mask_prob}")
         _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
         _check(self.adam_eps > 0, f"{prefix}.adam_eps", "must be > 0")
+        _check(0 <= self.seed < 2 ** 63, f"{prefix}.seed", f"must be in [0, 2^63) (torch's seeds), got {self.seed}")
         if self.max_grad_norm is not None:
             _check(self.max_grad_norm > 0, f"{prefix}.max_grad_norm", "must be > 0 (or null to disable)")
         if self.keep_resume_checkpoints is not None:
@@ -314,7 +318,10 @@ def load_config(path: Union[str, Path]) -> Config:
     if not path.is_file():
         raise ConfigError(f"no config file at {path}")
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=_object_with_duplicates)
+        data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: not UTF-8 (line {line}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
     if duplicate := _first_duplicate(data):

@@ -190,6 +190,8 @@ def build_scheduler(optimizer, cfg: Config):
 
 def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[int] = None,
              show_progress: bool = True) -> int:
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ConfigError(f"--stop-at-step: must be at least 1 (a global step), got {stop_at_step}")
     rt = setup_runtime(cfg.model.mixed_precision, device)
     ps = cfg.pretraining_setting
     if ps.batch_size % rt.world_size:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -45,20 +45,28 @@ RESUME_MAY_CHANGE = {
 }
 
 
+def config_differences(saved: Optional[dict], cfg: Config, keys: dict) -> List[tuple]:
+    """(section, key, saved value, current value) for each of ``keys`` ({section: names, or None for every key
+    but RESUME_MAY_CHANGE's}) where the config a checkpoint recorded and ``cfg`` differ."""
+    current = cfg.to_dict()
+    out = []
+    for section, names in keys.items():
+        for key, old in (saved or {}).get(section, {}).items():
+            if (key in names) if names is not None else (key not in RESUME_MAY_CHANGE[section]):
+                new = current[section].get(key)
+                if old != new:
+                    out.append((section, key, old, new))
+    return out
+
+
 def check_resumable_config(saved: Optional[dict], cfg: Config, path: str) -> None:
     """Refuse to resume under a config that changes the run (schedule, data position, architecture): the
     resumed run would silently differ from the one it continues."""
-    if not saved:
-        return
-    current = cfg.to_dict()
-    for section in ("model", "pretraining_setting", "gpu_setting"):
-        for key, old in saved.get(section, {}).items():
-            new = current[section].get(key)
-            if old != new and key not in RESUME_MAY_CHANGE[section]:
-                raise ConfigError(
-                    f"{cfg.config_file}: {section}.{key}: is {json.dumps(new)} but {path} was trained with "
-                    f"{json.dumps(old)}; resuming would not continue that run. Restore the value, or start a new "
-                    f'model folder with "from_cp" pointing at this checkpoint')
+    for section, key, old, new in config_differences(saved, cfg, dict.fromkeys(RESUME_MAY_CHANGE)):
+        raise ConfigError(
+            f"{cfg.config_file}: {section}.{key}: is {json.dumps(new)} but {path} was trained with "
+            f"{json.dumps(old)}; resuming would not continue that run. Restore the value, or start a new "
+            f'model folder with "from_cp" pointing at this checkpoint')
 
 
 def data_fingerprint(data_dir, train: ShardedSequences) -> dict:

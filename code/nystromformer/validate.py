@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import List, Optional
 
@@ -16,11 +17,14 @@ from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .mlm import evaluate_fp16_safe
 from .model import NystromformerForMaskedLM
-from .resume import check_data
+from .resume import check_data, config_differences
 from .runtime import setup_runtime
 from .shards import ShardedSequences
 
 LOG_NAME = "validation_output.log"
+# What a checkpoint's dev figures depend on besides its weights (None: every model key that changes what is
+# computed); the paper's dev points were measured with the run's own masking.
+VALIDATION_KEYS = {"model": None, "pretraining_setting": {"mask_prob", "seed"}}
 
 
 def validated_checkpoints(cfg: Config) -> set:
@@ -41,6 +45,9 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
     check_data(cfg, dev)
     if num_sequences is None:
         num_sequences = max(ps.validate_batches_per_epoch, 1) * ps.batch_size
+    if not checkpoint.available_models(cfg.checkpoint_dir):
+        raise checkpoint.CheckpointError(f"no checkpoint cp-NNNN.model in {cfg.checkpoint_dir}: nothing has been "
+                                         f"pretrained in this model folder yet")
     if epochs is None:
         done = validated_checkpoints(cfg)
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
@@ -49,7 +56,13 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
     for epoch in epochs:
         path = checkpoint.find_model(cfg.checkpoint_dir, epoch)
-        model.load_state_dict(checkpoint.load(path, map_location=rt.device)["model_state_dict"])
+        state = checkpoint.load(path, map_location=rt.device)
+        # The checkpoint's own architecture and masking: a config.json edited since would measure another model.
+        for section, key, old, new in config_differences(state.get("config"), cfg, VALIDATION_KEYS):
+            raise ConfigError(f"{cfg.config_file}: {section}.{key}: is {json.dumps(new)} but {path.name} was "
+                              f"trained with {json.dumps(old)}; validation would measure another setting. Restore "
+                              f"the value to validate this checkpoint")
+        model.load_state_dict(state["model_state_dict"])
         t0 = time.perf_counter()
         metrics, redone = evaluate_fp16_safe(model, dev, num_sequences, cfg.gpu_setting.inst_per_gpu, ps.seed,
                                              ps.mask_prob, rt.device, rt.autocast_dtype)

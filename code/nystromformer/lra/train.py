@@ -106,8 +106,9 @@ def model_config(attn_type: str, s: RunSettings, overrides: Optional[dict] = Non
     model.update(LRA_ATTENTION.get(attn_type, {}))
     model.update(overrides or {})
     # Keep sequence-sized hyper-parameters legal when a reduced run shortens the sequences.
-    if "linformer_k" in model and isinstance(model["linformer_k"], int):
-        model["linformer_k"] = min(model["linformer_k"], s.max_length)
+    for key in ("linformer_k", "reformer_bucket_size"):
+        if key in model and isinstance(model[key], int):
+            model[key] = min(model[key], s.max_length)
     return config_from_dict({"model": model}).model
 
 
