@@ -370,3 +370,52 @@ def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_t
         "the dev split holds 0 of 9 sequences (0.0%), not ~10%: too few sequences (9) for the fraction to come out "
         "right")
     assert dev_split_warning(train=900, dev=100, dev_fraction=0.1, dev_run=8192) is None
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:200]), "not a readable .npy shard"),
+    (lambda p: np.save(p, np.array(["text"], dtype=object), allow_pickle=True), "not a readable .npy shard"),
+    (lambda p: np.save(p, np.load(p).astype(np.float32) + 0.5), "dtype float32, but .*meta.json says uint16"),
+])
+def test_a_damaged_shard_is_an_error_naming_it_not_a_traceback_or_training_on_it(tmp_path, damage, message):
+    from helpers import write_synthetic_data
+    from nystromformer.shards import ShardError
+    data = write_synthetic_data(tmp_path / "data")
+    damage(data / "train-00001.npy")
+    with pytest.raises(ShardError, match=f"train-00001.npy: {message}"):
+        ShardedSequences(data, "train")
+
+
+def test_a_token_id_past_the_vocabulary_is_an_error_naming_the_shard(tmp_path):
+    from helpers import write_synthetic_data
+    from nystromformer.shards import ShardError
+    data = write_synthetic_data(tmp_path / "data", vocab_size=64)
+    rows = np.load(data / "dev-00000.npy")
+    rows[3, 5] = 300
+    np.save(data / "dev-00000.npy", rows)
+    dev = ShardedSequences(data, "dev")
+    assert dev.rows([0, 1]).shape == (2, 32)
+    with pytest.raises(ShardError, match=r"dev-00000.npy: token id 300 is not below vocab_size 64"):
+        dev.rows([2, 3])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"seed": -1}, r"--seed must be in \[0, 2\^63\), got -1"),
+    ({"workers": 0}, "--workers must be at least 1, got 0"),
+])
+def test_impossible_build_options_are_refused_before_anything_is_written(partitions, trained_tokenizer, tmp_path,
+                                                                         options, message):
+    with pytest.raises(BuildError, match=message):
+        build_shards([parse_dataset(str(partitions / "wiki"))], tmp_path / "out", str(trained_tokenizer),
+                     seq_len=64, **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shards_cannot_be_written_into_their_input_partition_folder(partitions, trained_tokenizer, tmp_path):
+    copy = tmp_path / "wiki"
+    shutil.copytree(partitions / "wiki", copy)
+    before = sorted(p.name for p in copy.iterdir())
+    for output in (copy, copy / "shards"):
+        with pytest.raises(BuildError, match=f"--output {output}: is inside the input folder"):
+            build_shards([parse_dataset(str(copy))], output, str(trained_tokenizer), seq_len=64)
+    assert sorted(p.name for p in copy.iterdir()) == before

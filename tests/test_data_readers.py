@@ -137,6 +137,12 @@ def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tm
          "is a file, not a folder"),
         (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "stories" /
           "part-00000.txt" / "x"], "is a file, not a folder"),
+        (["extract-wiki", "--dump", FIXTURES / "stories" / "story-0001.txt", "--output", tmp_path / "x",
+          "--processes", "0"], "--processes: must be from 1 to 256, got 0"),
+        (["extract-wiki", "--dump", FIXTURES / "stories" / "story-0001.txt", "--output", tmp_path / "x",
+          "--bytes", "-5"], "--bytes: a size such as 100M"),
+        (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x", "--min-words", "-5"],
+         "--min-words must be at least 0, got -5"),
     ]
     for argv, named in mistakes:
         assert run_command(argv) == 2, argv
@@ -513,3 +519,21 @@ def test_an_unexpected_missing_file_is_a_bug_with_a_traceback_not_a_user_error(t
     monkeypatch.setattr(os, "replace", vanished)
     with pytest.raises(FileNotFoundError):
         run_command(["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "stories"])
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["preprocess", "stories", "--input", FIXTURES / "stories", "--min-words", "99999999"],
+     "error: stories: no document kept (2 read, 2 empty or under 99999999 words; skipped "),
+    (["preprocess", "realnews", "--input", FIXTURES / "stories" / "story-0001.txt"],
+     "error: realnews: no document kept (0 read"),
+])
+def test_a_preprocess_that_keeps_no_document_fails_and_keeps_the_folder_it_would_replace(tmp_path, capsys, argv,
+                                                                                          named):
+    preprocess(tmp_path, "stories")  # a good folder at the output
+    out = tmp_path / "stories"
+    before = file_states(out)
+    capsys.readouterr()
+    assert run_command([*argv, "--output", out]) == 2
+    err = capsys.readouterr().err  # after the progress bar: the reading had to happen to know
+    assert err.splitlines()[-1].startswith(named) and "Traceback" not in err, err
+    assert file_states(out) == before

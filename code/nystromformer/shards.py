@@ -108,11 +108,18 @@ class ShardedSequences:
         if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
             raise ShardError(f"{index_path}: not a split index (no \"shards\" list)")
         self.arrays: List[np.ndarray] = []
+        self.shard_files = [entry["file"] for entry in index["shards"]]
         for entry in index["shards"]:
             path = self.folder / entry["file"]
             if not path.is_file():
                 raise ShardError(f"{index_path}: lists {entry['file']}, which does not exist")
-            array = np.load(path, mmap_mode="r", allow_pickle=False)
+            try:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as e:  # truncated, not .npy, or object (pickled) data
+                raise ShardError(f"{path}: not a readable .npy shard ({e})") from None
+            if array.dtype != np.dtype(self.meta["dtype"]):
+                raise ShardError(f"{path}: dtype {array.dtype}, but {self.folder / 'meta.json'} says "
+                                 f"{self.meta['dtype']}")
             if array.ndim != 2 or array.shape[1] != self.meta["max_seq_len"] or array.shape[0] != entry["num_sequences"]:
                 raise ShardError(f"{path}: shape {array.shape} does not match {index_path} "
                                  f"({entry['num_sequences']} x {self.meta['max_seq_len']})")
@@ -131,4 +138,8 @@ class ShardedSequences:
         for s in np.unique(shard_of):
             sel = np.nonzero(shard_of == s)[0]
             out[sel] = self.arrays[s][indices[sel] - self.offsets[s]]
+            # An id past the vocabulary would index past the embedding table (a device assert on a GPU).
+            if out[sel].max(initial=0) >= self.meta["vocab_size"]:
+                raise ShardError(f"{self.folder / self.shard_files[s]}: token id {int(out[sel].max())} is not "
+                                 f"below vocab_size {self.meta['vocab_size']} (meta.json)")
         return out

@@ -270,8 +270,12 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
                  shard_size: int = SHARD_SIZE, dev_fraction: float = 0.1, seed: int = 0, workers: int = 1,
                  on_partition_done: Optional[Callable[[Task], None]] = None, dev_run: int = DEV_RUN) -> dict:
     """Build (or resume) a shard folder; returns the stats written to ``stats.json``."""
-    _check_options(datasets, seq_len, shard_size, dev_fraction, dev_run)
+    _check_options(datasets, seq_len, shard_size, dev_fraction, dev_run, seed, workers)
     output = Path(output)
+    for d in datasets:  # shards in a partition folder would overwrite its stats.json and be read as partitions
+        inside = Path(d.folder).resolve()
+        if output.resolve() == inside or inside in output.resolve().parents:
+            raise BuildError(f"--output {output}: is inside the input folder {d.folder}; write shards elsewhere")
     # Check every input before writing anything: a failed command must not leave a meta.json behind.
     tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
@@ -317,7 +321,11 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
 
 
 def _check_options(datasets: Sequence[DatasetSpec], seq_len: int, shard_size: int, dev_fraction: float,
-                   dev_run: int) -> None:
+                   dev_run: int, seed: int, workers: int) -> None:
+    if not 0 <= seed < 2 ** 63:
+        raise BuildError(f"--seed must be in [0, 2^63), got {seed}")
+    if workers < 1:
+        raise BuildError(f"--workers must be at least 1, got {workers}")
     if dev_run < 1:
         raise BuildError(f"--dev-run must be at least 1 (sequences), got {dev_run}")
     if seq_len < 3:

@@ -252,6 +252,8 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
     output = Path(output).resolve()
     if words_per_partition < 1:
         raise PartitionError(f"--words-per-partition must be at least 1, got {words_per_partition}")
+    if min_words < 0:
+        raise PartitionError(f"--min-words must be at least 0, got {min_words}")
     _check_renamable(output)  # before any input is read: the swap at the end would fail
     if output.parent.is_dir():  # first, so that a restored folder can be up to date
         _recover_leftovers(output)
@@ -303,6 +305,10 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
                 close_partition()
         if context is not None:
             close_partition()
+        if not written:  # before the swap: a folder of no partitions would replace a good one and feed 0 shards
+            raise PartitionError(f"{dataset}: no document kept ({stats['documents_read']} read, "
+                                 f"{stats['documents_too_short']} empty or under {min_words} words; "
+                                 f"skipped {dict(skips.counts) or 'nothing'}): is the input this dataset's format?")
         stats["partitions"] = written
         stats["partition_bytes"] = [(work / name).stat().st_size for name in written]
         stats["skipped"] = skips.as_dict()
@@ -324,9 +330,6 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
     log.info("%s: kept %d of %d documents (%d words) in %d partitions; %d too short; skipped %s",
              dataset, stats["documents_kept"], stats["documents_read"], stats["words"], len(written),
              stats["documents_too_short"], dict(skips.counts) or "nothing")
-    if not written:
-        log.warning("%s: no document kept (%d read, %d too short); %s holds no partition", dataset,
-                    stats["documents_read"], stats["documents_too_short"], output)
     return stats
 
 

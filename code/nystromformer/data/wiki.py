@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
 log = logging.getLogger("nystromformer.data")
+MAX_PROCESSES = 256
 
 
 def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_file: str = "100M") -> List[str]:
@@ -25,13 +27,27 @@ def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_fil
 def extract_wiki(dump: Path, output: Path, processes: int = os.cpu_count() or 1,
                  bytes_per_file: str = "100M") -> int:
     """Extract ``<doc>`` files from a pages-articles dump into ``output/AA/wiki_00``, ...; returns the exit code."""
+    from .partitions import InputError
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
         raise FileNotFoundError(f"{dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
+    # wikiextractor itself hangs with no worker process and exits 0 after rejecting a size.
+    if not 1 <= processes <= MAX_PROCESSES:
+        raise InputError(f"--processes: must be from 1 to {MAX_PROCESSES}, got {processes}")
+    if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", bytes_per_file):
+        raise InputError(f"--bytes: a size such as 100M, 500K or 1G, got {bytes_per_file!r}")
     output.mkdir(parents=True, exist_ok=True)
     command = extract_wiki_command(dump, output, processes, bytes_per_file)
     log.info("running %s", " ".join(command))
     result = subprocess.run(command)
     if result.returncode != 0:
         log.error("wikiextractor failed on %s with exit code %d", dump, result.returncode)
-    return result.returncode
+        return result.returncode
+    if not any(_starts_with_article(f) for f in output.rglob("wiki_*") if f.is_file()):
+        raise InputError(f"{dump}: wikiextractor found no article in it (is it a pages-articles XML dump?)")
+    return 0
+
+
+def _starts_with_article(path: Path) -> bool:
+    with open(path, "rb") as f:  # an output file opens with its first <doc ...> line (files are up to 100M)
+        return f.read(64 * 1024).lstrip().startswith(b"<doc ")
