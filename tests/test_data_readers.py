@@ -537,3 +537,38 @@ def test_a_preprocess_that_keeps_no_document_fails_and_keeps_the_folder_it_would
     err = capsys.readouterr().err  # after the progress bar: the reading had to happen to know
     assert err.splitlines()[-1].startswith(named) and "Traceback" not in err, err
     assert file_states(out) == before
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--vocab-size", "100"], "--vocab-size: must be from 261 (the 256 bytes and the 5 special tokens) to"),
+    (["--vocab-size", "100000000000"], "--vocab-size: must be from 261"),
+    (["--min-frequency", "0"], "--min-frequency: must be at least 1, got 0"),
+])
+def test_tokenizer_sizes_the_trainer_would_ignore_or_crash_on_are_one_error_line(tmp_path, capsys, flags, named):
+    preprocess(tmp_path, "stories")
+    capsys.readouterr()
+    assert run_command(["train-tokenizer", "--input", tmp_path / "stories", "--output", tmp_path / "tok",
+                        *flags]) == 2
+    assert_one_error_line(capsys, named)
+    assert not (tmp_path / "tok").exists()
+
+
+def test_a_partition_file_changed_by_hand_into_other_bytes_or_stats_is_an_error_naming_it(tmp_path):
+    from nystromformer.data.partitions import PartitionError, partition_files
+    preprocess(tmp_path, "stories")
+    folder = tmp_path / "stories"
+    (folder / "stats.json").write_text("[1, 2]")
+    with pytest.raises(PartitionError, match=r"stats.json: not a preprocess stats file"):
+        partition_files(folder)
+    part = folder / "part-00000.txt"
+    part.write_bytes(b"First document.\n\nSecond, caf\xe9.\n")
+    with pytest.raises(PartitionError, match=r"part-00000.txt:3: not UTF-8"):
+        list(read_partition(part))
+
+
+def test_a_tokenizer_folder_with_broken_files_is_an_error_naming_the_folder(tmp_path):
+    from nystromformer.tokenizer import TokenizerError, load_tokenizer
+    (tmp_path / "vocab.json").write_text("{broken")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(TokenizerError, match=f"{tmp_path}: unreadable tokenizer files"):
+        load_tokenizer(tmp_path)

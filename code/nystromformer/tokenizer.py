@@ -24,10 +24,13 @@ def load_tokenizer(name_or_path: Union[str, Path]):
 
     path = Path(name_or_path)
     if path.is_dir():
-        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-            return RobertaTokenizerFast.from_pretrained(str(path))
-        if (path / "tokenizer.json").is_file():
-            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        try:
+            if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+                return RobertaTokenizerFast.from_pretrained(str(path))
+            if (path / "tokenizer.json").is_file():
+                return PreTrainedTokenizerFast.from_pretrained(str(path))
+        except Exception as e:  # the libraries' errors do not say which folder
+            raise TokenizerError(f"{path}: unreadable tokenizer files ({type(e).__name__}: {e})") from None
         raise TokenizerError(f"{path}: no tokenizer files (expected vocab.json + merges.txt, or tokenizer.json)")
     help = ("Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, or "
             "train one with `nystromformer train-tokenizer`.")

@@ -65,6 +65,9 @@ def partition_files(folder: Path) -> List[Path]:
             stats = json.loads(stats_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PartitionError(f"{stats_path}: not valid JSON ({e}); run `nystromformer preprocess` again") from None
+        if not isinstance(stats, dict):
+            raise PartitionError(f"{stats_path}: not a preprocess stats file (a JSON object); run `nystromformer "
+                                 f"preprocess` again")
         recorded = stats.get("partitions")
         sizes = stats.get("partition_bytes")
         found = [p.name for p in files]
@@ -336,10 +339,15 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
 def read_partition(path: Path) -> Iterator[str]:
     """Documents of one partition file, streamed (blank lines separate documents)."""
     lines: List[str] = []
-    # newline="\n": a lone \r inside a document is text, not a line break (universal newlines would turn
+    # Lines end at \n only: a lone \r inside a document is text, not a line break (universal newlines would turn
     # "\r\r" into a blank line, i.e. a document boundary).
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for line in f:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # preprocess writes UTF-8: the file was made or changed by hand
+                raise PartitionError(f"{path}:{number}: not UTF-8 ({e.reason}); partition files are written by "
+                                     f"`nystromformer preprocess`") from None
             if line.strip():
                 lines.append(line)
             elif lines:

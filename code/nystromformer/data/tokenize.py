@@ -21,13 +21,14 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import atomic
-from .partitions import partition_files, read_partition
+from .partitions import PartitionError, partition_files, read_partition
 
 log = logging.getLogger("nystromformer.data")
 
 # RoBERTa's convention: <s>=0 <pad>=1 </s>=2 <unk>=3, <mask> is the last id of the vocabulary.
 ROBERTA_SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
 MASK_TOKEN = "<mask>"
+MAX_VOCAB = 1 << 24  # far beyond any corpus's useful vocabulary; much larger asks the trainer for terabytes
 BATCH_CHARS = 1 << 20  # encode ~1 MB of text per call: large enough to keep the Rust threads busy
 
 
@@ -163,6 +164,14 @@ def train_tokenizer(inputs: Sequence[Path], output: Path, vocab_size: int = 5026
     from tokenizers import ByteLevelBPETokenizer
 
     output = Path(output)
+    # Byte-level BPE starts from the 256 bytes; the 5 RoBERTa special tokens come on top. Below that the trainer
+    # silently gives 261 tokens anyway; far above the corpus's words it stops early (logged below).
+    smallest = 256 + len(ROBERTA_SPECIAL_TOKENS) + 1  # + <mask>
+    if not smallest <= vocab_size <= MAX_VOCAB:
+        raise PartitionError(f"--vocab-size: must be from {smallest} (the 256 bytes and the 5 special tokens) to "
+                             f"{MAX_VOCAB}, got {vocab_size}")
+    if min_frequency < 1:
+        raise PartitionError(f"--min-frequency: must be at least 1, got {min_frequency}")
     for folder in inputs:  # a bad input fails here, before anything is written
         partition_files(Path(folder))
     output.mkdir(parents=True, exist_ok=True)
@@ -184,4 +193,7 @@ def train_tokenizer(inputs: Sequence[Path], output: Path, vocab_size: int = 5026
                       {"tokenizer_class": "RobertaTokenizer", "add_prefix_space": False, "trim_offsets": True,
                        "model_max_length": 1_000_000, **special})
     log.info("trained a byte-level BPE with %d tokens into %s", len(ordered), output)
+    if len(ordered) < vocab_size:
+        log.warning("the corpus has too few distinct words for --vocab-size %d: the tokenizer has %d tokens",
+                    vocab_size, len(ordered))
     return output
