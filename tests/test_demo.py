@@ -48,3 +48,11 @@ def test_demo_refuses_to_delete_a_folder_it_did_not_write(tmp_path):
                           capture_output=True, text=True, cwd=REPO / "code")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "is not a demo output folder" in proc.stderr
     assert (precious / "keep.txt").read_text() == "important"
+
+
+def test_demo_output_under_a_file_is_one_error_line(tmp_path):
+    (tmp_path / "notes.txt").write_text("a file")
+    proc = subprocess.run([sys.executable, "-m", "nystromformer.cli", "demo", "--output",
+                           str(tmp_path / "notes.txt" / "demo")], capture_output=True, text=True, cwd=REPO / "code")
+    assert proc.returncode == 2 and proc.stderr == (f"error: --output {tmp_path / 'notes.txt' / 'demo'}: "
+                                                    f"{tmp_path / 'notes.txt'} is a file, not a folder\n")

@@ -732,3 +732,23 @@ def test_plot_reports_a_missing_log_on_stderr(tmp_path, capsys):
     assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "curves.png")]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "error:" in err and "pretrain_output.log does not exist" in err
+
+
+@pytest.mark.parametrize("output", ["curves", "curves.xyz", ".", "config.json/curves.png"])
+def test_plot_refuses_an_output_that_is_not_an_image_file_it_can_write(tmp_path, capsys, output):
+    folder = write_log(model_dir(tmp_path))
+    assert main(["plot", "--model-dir", str(folder), "--output", str(folder / output)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --output {folder / output}") and len(err.splitlines()) == 1, err
+
+
+def test_plot_leaves_out_entries_it_cannot_plot_and_says_so(tmp_path, capsys):
+    folder = write_log(model_dir(tmp_path))
+    with open(folder / "model" / "pretrain_output.log", "a") as log:
+        log.write('[1, 2]\n{}\n{"type": "train", "step": 3}\n')
+    assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 unreadable line(s)" in err and "1 train/dev entry without step, loss, mlm_accu left out" in err
+    (folder / "model" / "pretrain_output.log").write_text('{"type": "config"}\n')
+    assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 2
+    assert "pretrain_output.log: no train or dev entry to plot" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import List
 
 from . import jsonlog
+from .atomic import check_output_folder
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
@@ -130,6 +131,7 @@ def summary(out: Path, interrupted_at: int, task: str) -> str:
 def check_output(out: Path) -> None:
     if out.exists() and not (out / MARKER).exists():
         raise UserError(f"{out} exists and is not a demo output folder; choose another --output")
+    check_output_folder(out, "--output")
 
 
 def run_demo(out: Path) -> int:

@@ -19,8 +19,12 @@ def read(path: Union[str, Path]) -> List[dict]:
         if not line.strip():
             continue
         try:
-            entries.append(json.loads(line))
+            entry = json.loads(line)
         except json.JSONDecodeError:
+            entry = None
+        if isinstance(entry, dict):  # every line this project writes is an object
+            entries.append(entry)
+        else:
             torn += 1
     if torn:
         print(f"warning: {path}: skipped {torn} unreadable line(s) (a torn write?)", file=sys.stderr)

@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from . import jsonlog
+from .atomic import check_output_folder
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
@@ -23,9 +25,7 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     for (label, path), colour in zip(logs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
-        entries = jsonlog.read(path)
-        train = [e for e in entries if e["type"] == "train"]
-        dev = [e for e in entries if e["type"] == "dev"]
+        train, dev = plotted_entries(path)
         if train:
             steps, losses = [e["step"] for e in train], [e["loss"] for e in train]
             window = max(1, len(losses) // 50)
@@ -46,6 +46,35 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
     fig.savefig(output, dpi=100)
     plt.close(fig)
     return output
+
+
+PLOTTED_KEYS = ("step", "loss", "mlm_accu")
+FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def plotted_entries(path: Path) -> Tuple[List[dict], List[dict]]:
+    """The log's train and dev points; entries that lack a plotted number are counted in a warning."""
+    points: Dict[str, List[dict]] = {"train": [], "dev": []}
+    unusable = 0
+    for entry in jsonlog.read(path):
+        if entry.get("type") in points:
+            if all(isinstance(entry.get(k), (int, float)) for k in PLOTTED_KEYS):
+                points[entry["type"]].append(entry)
+            else:
+                unusable += 1
+    if unusable:
+        print(f"warning: {path}: {unusable} train/dev entr{'y' if unusable == 1 else 'ies'} without "
+              f"{', '.join(PLOTTED_KEYS)} left out", file=sys.stderr)
+    if not points["train"] and not points["dev"]:
+        raise UserError(f"{path}: no train or dev entry to plot")
+    return points["train"], points["dev"]
+
+
+def check_output(output: Path) -> None:
+    if output.suffix.lower() not in FORMATS or output.is_dir():
+        raise UserError(f"--output {output}: give an image file name ending in {', '.join(FORMATS)}")
+    if not output.is_file():  # (an existing image is replaced) its folders can be made
+        check_output_folder(output, "--output")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +100,7 @@ def run_labels(folders: List[str]) -> Dict[str, Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output(args.output)
     logs = {}
     for label, folder in run_labels(args.model_dir).items():
         path = load_config(folder).checkpoint_dir / LOG_NAME
