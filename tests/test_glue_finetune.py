@@ -131,6 +131,7 @@ def test_malformed_rows_are_reported_while_fine_tuning(fixture_model_dir):
     messages = []
     result = finetune(fixture_model_dir, settings, log=messages.append)
     assert any("skipped 1 malformed row(s): train.tsv:4" in m for m in messages)
+    assert result["malformed_rows_skipped"] == {"train": 1}  # recorded, not only logged
     assert set(result["best_metrics"]) == {"accuracy", "f1"}
     assert len(read_submission(run_dir(fixture_model_dir / "model", settings) / "submission" / "QQP.tsv")) == 3
 

@@ -455,3 +455,36 @@ def test_sharded_pytorch_model_bin_folders_import(tmp_path):
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(load_imported(tmp_path / "ours").logits(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max-seq-len", "0"], "error: --max-seq-len 0: must be >= 1, got 0"),
+    (["--max-seq-len", "100000000"], "error: --max-seq-len 100000000: must be <= 1048576"),
+    (["--conv-kernel-size", "4"], "error: --conv-kernel-size 4: must be a positive odd number"),
+])
+def test_import_flags_with_impossible_values_are_named_as_the_flags_before_any_reading(tmp_path, capsys, flags,
+                                                                                       says):
+    assert main(["import-hf", "--input", str(tmp_path / "not-read"), "--model-dir", str(tmp_path / "ours"),
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "ours").exists()
+
+
+@pytest.mark.parametrize("content, says", [("{bad", "not valid JSON"), ("[1]", "expected a JSON object"),
+                                           ('{"model": {"num_layers": "2"}}', "model.num_layers: expected an integer")])
+def test_import_into_a_folder_whose_config_json_is_unusable_names_the_file(tmp_path, capsys, content, says):
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "config.json").write_text(content)
+    assert main(["import-hf", "--input", str(tmp_path / "not-read"), "--model-dir", str(tmp_path / "ours")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'ours' / 'config.json'}: ") and says in err, err
+
+
+def test_export_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path, ours())
+    for flags, says in ((["--checkpoint", "0", "--num-labels", "3"], "--num-labels checks a classifier"),
+                        (["--checkpoint", "0", "--glue-weights", "x.model"], "not both")):
+        assert main(["export-hf", "--model-dir", str(folder), "--output", str(tmp_path / "hf"), *flags]) == 2
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

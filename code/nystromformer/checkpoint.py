@@ -81,8 +81,11 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a folder; a checkpoint is a cp-NNNN.model or .cp file") from None
     except Exception as e:  # truncated zip, bad magic, unpicklable object...
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{path}: unreadable checkpoint: not a file torch.save wrote, or damaged "
+                              f"({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or "model_state_dict" not in obj:
         raise CheckpointError(f"{path}: not a checkpoint of this project (no model_state_dict)")
     return obj
@@ -108,6 +111,8 @@ def available_models(checkpoint_dir: Path) -> List[int]:
 
 def find_model(checkpoint_dir: Path, epoch: int) -> Path:
     """The path of cp-<epoch>.model, or an error listing the checkpoints there are."""
+    if epoch < 0:
+        raise CheckpointError(f"--checkpoint {epoch}: an epoch number, from 0")
     path = model_path(checkpoint_dir, epoch)
     if not path.is_file():
         have = available_models(checkpoint_dir)

@@ -23,7 +23,13 @@ class ConfigError(UserError, ValueError):
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
-        raise ConfigError(f"{key}: {msg}")
+        error = ConfigError(f"{key}: {msg}")
+        error.key = key  # so that a command can name its own flag when the value came from one
+        raise error
+
+
+# A typo guard (one zero too many), not a limit of the model: the position table alone would be > 1M rows.
+MAX_SEQ_LEN = 1 << 20
 
 
 ATTENTION_TYPES = ("softmax", "nystrom", "linformer", "performer", "linear", "reformer", "longformer", "bigbird",
@@ -83,6 +89,8 @@ class ModelConfig:
         for name in ("vocab_size", "num_sen_type", "max_seq_len", "embedding_dim", "transformer_dim",
                      "transformer_hidden_dim", "num_layers", "num_head", "head_dim", "num_landmarks"):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _check(self.max_seq_len <= MAX_SEQ_LEN, f"{prefix}.max_seq_len",
+               f"must be <= {MAX_SEQ_LEN}, got {self.max_seq_len}")
         _check(0.0 <= self.dropout_prob < 1.0, f"{prefix}.dropout_prob", f"must be in [0, 1), got {self.dropout_prob}")
         _check(self.attn_type in ATTENTION_TYPES, f"{prefix}.attn_type",
                f"must be one of {', '.join(ATTENTION_TYPES)}; got {self.attn_type!r}")

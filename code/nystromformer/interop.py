@@ -261,6 +261,10 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
     """Write a folder that ``transformers.AutoModelFor...from_pretrained`` loads: config.json, safetensors
     weights and (when the model folder names one) the tokenizer."""
     output = Path(output)
+    if glue_weights is not None and epoch is not None:
+        raise InteropError("give --checkpoint N (a pretraining checkpoint) or --glue-weights PATH, not both")
+    if glue_weights is None and num_labels is not None:
+        raise InteropError("--num-labels checks a classifier: it applies with --glue-weights only")
     if glue_weights is not None:
         state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
         if num_labels is not None and num_labels != found:
@@ -492,6 +496,31 @@ def _check_tied_decoder(hf_state: Dict[str, torch.Tensor], family: str) -> None:
                                f"false, and our MLM head shares the word embeddings (it would be another model)")
 
 
+def _existing_config(model_dir: Path) -> dict:
+    """The model folder's config.json as a dict ({} when there is none yet)."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
+        raise ConfigError(f"{path}: expected a JSON object (with a \"model\" object)")
+    return data
+
+
+def _validated(build: Callable[[], Config], model_dir: Path, overrides: Optional[dict]) -> Config:
+    """``build()``, with a ConfigError named by the flag that set the key, else by the model folder's config.json."""
+    try:
+        return build()
+    except ConfigError as e:
+        key = getattr(e, "key", "").removeprefix("model.")
+        if key in (overrides or {}):
+            raise InteropError(f"--{key.replace('_', '-')} {overrides[key]}: {str(e).split(': ', 1)[1]}") from None
+        raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+
+
 def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool = False,
               overrides: Optional[dict] = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
     """Write ``<model_dir>/imported/hf-import.model`` from a transformers Nyströmformer or RoBERTa folder, and
@@ -499,10 +528,12 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     model_dir = Path(model_dir)
     if model_dir.exists() and not model_dir.is_dir():
         raise InteropError(f"--model-dir {model_dir}: is a file, not a model folder")
+    existing = _existing_config(model_dir)
+    base_cfg = _validated(lambda: config_from_dict({**existing, "model": {**existing.get("model", {}),
+                                                                         **(overrides or {})}}, model_dir),
+                          model_dir, overrides)
     hf_cfg, hf_state = read_hf_folder(input_dir)
     family = hf_cfg.get("model_type")
-    existing = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else {}
-    base_cfg = config_from_dict({**existing, "model": {**existing.get("model", {}), **(overrides or {})}}, model_dir)
     if base_cfg.model.pre_layer_norm:
         log(f"note: {model_dir / 'config.json'} has model.pre_layer_norm true; the imported weights are of a "
             f"post-LayerNorm model: importing with pre_layer_norm false")
@@ -530,7 +561,7 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     else:
         raise InteropError(f"{input_dir}: model_type {family!r}; import-hf reads nystromformer or roberta folders")
     data = {**existing, "model": dataclasses.asdict(mc)}
-    cfg = config_from_dict(data, model_dir)  # validates
+    cfg = _validated(lambda: config_from_dict(data, model_dir), model_dir, overrides)
     state = from_hf_state_dict(hf_state, mc, family, log)
     if checkpoint.resumable_checkpoints(cfg.checkpoint_dir, cfg.pretraining_setting.batches_per_epoch) and not force:
         raise InteropError(f"{cfg.checkpoint_dir} already has resumable checkpoints: pretraining would resume "

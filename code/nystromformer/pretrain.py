@@ -276,6 +276,9 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
                                     cfg.path(cfg.from_cp) if cfg.from_cp else None, cfg.config_file)
         if cfg.from_cp:
             source = cfg.path(cfg.from_cp)
+            if source.is_dir():
+                raise ConfigError(f"{cfg.config_file}: from_cp: {source} is a folder; name a cp-NNNN.model or "
+                                  f".cp file in it")
             if not source.is_file():
                 raise ConfigError(f"{cfg.config_file}: from_cp: {source} does not exist (has the run it comes "
                                   f"from written it?)")

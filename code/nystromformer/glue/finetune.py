@@ -33,7 +33,7 @@ from tqdm import tqdm
 from .. import atomic
 from ..checkpoint import find_model, load_pretrained_weights
 from ..checkpoint import load as load_checkpoint
-from ..config import load_config
+from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
 from ..runtime import autocast_dtype, linear_warmup_decay, resolve_device
@@ -102,6 +102,8 @@ class FinetuneSettings:
         checks.append(("--max-seq-len", self.max_seq_len, self.max_seq_len is None or self.max_seq_len >= shortest,
                        f"must be at least {shortest} for {task.name} (its special tokens and one token of each "
                        f"text)"))
+        checks.append(("--max-seq-len", self.max_seq_len, self.max_seq_len is None or self.max_seq_len <= MAX_SEQ_LEN,
+                       f"must be at most {MAX_SEQ_LEN}"))
         for flag, value, ok, rule in checks:
             if not ok:
                 raise SettingsError(f"{flag}: {rule}, got {value}")
@@ -254,10 +256,11 @@ def majority_baseline(task: Task, train: List[Example], dev_labels: Dict[str, li
                                            for split, labels in dev_labels.items()}))
 
 
-def _load_examples(glue_dir: Path, task: Task, split: str, log) -> List[Example]:
+def _load_examples(glue_dir: Path, task: Task, split: str, log, skipped: Dict[str, int]) -> List[Example]:
     result = read_split(glue_dir, task, split)
     if result.report():
         log(f"warning: {result.report()}")
+        skipped[split] = len(result.malformed)  # kept in result.json: a score over fewer rows than the file has
     if not result.examples:
         raise GlueDataError(f"{result.path}: no usable examples")
     return result.examples
@@ -279,8 +282,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
 
     # Data: read everything first, so a bad file fails before any training.
     glue_dir = cfg.glue_dir
-    train_examples = subsample(_load_examples(glue_dir, task, "train", log), settings.max_train_examples)
-    dev_examples = {split: subsample(_load_examples(glue_dir, task, split, log), settings.max_eval_examples)
+    skipped_rows: Dict[str, int] = {}
+    train_examples = subsample(_load_examples(glue_dir, task, "train", log, skipped_rows),
+                               settings.max_train_examples)
+    dev_examples = {split: subsample(_load_examples(glue_dir, task, split, log, skipped_rows),
+                                     settings.max_eval_examples)
                     for split in task.dev}
     with_token_types = cfg.model.num_sen_type > 1
     collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
@@ -373,7 +379,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "majority_baseline_score": baseline,
+              "majority_baseline_score": baseline, "malformed_rows_skipped": skipped_rows,
               "submission": [], "submission_errors": [], "submission_missing": []}
     if math.isnan(best["score"]):
         # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
