@@ -140,7 +140,7 @@ def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tm
         (["extract-wiki", "--dump", FIXTURES / "stories" / "story-0001.txt", "--output", tmp_path / "x",
           "--processes", "0"], "--processes: must be from 1 to 256, got 0"),
         (["extract-wiki", "--dump", FIXTURES / "stories" / "story-0001.txt", "--output", tmp_path / "x",
-          "--bytes", "-5"], "--bytes: a size such as 100M"),
+          "--bytes", "100K"], "--bytes: a size of at least 200K"),
         (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x", "--min-words", "-5"],
          "--min-words must be at least 0, got -5"),
     ]

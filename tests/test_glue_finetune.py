@@ -521,9 +521,23 @@ def test_a_checkpoint_of_another_architecture_is_refused_not_fine_tuned_from_ran
         finetune(fixture_model_dir, settings, log=quiet)
 
 
-def test_a_run_named_twice_in_a_grid_is_run_once():
-    runs = grid(["WNLI", "wnli"], lrs=[1e-3, 0.001], batch_sizes=[4, 4], checkpoint=0)
-    assert [s.run_name for s in runs] == ["WNLI-0-0.001-4-5"]
+def test_a_run_named_twice_in_a_grid_is_run_once_in_the_order_first_given():
+    runs = grid(["WNLI", "RTE", "wnli"], lrs=[1e-3, 2e-3, 0.001], batch_sizes=[4, 4], checkpoint=0)
+    assert [s.run_name for s in runs] == ["WNLI-0-0.001-4-5", "WNLI-0-0.002-4-5", "RTE-0-0.001-4-5",
+                                          "RTE-0-0.002-4-5"]
+
+
+def test_two_different_runs_that_would_share_a_name_are_refused_not_one_dropped():
+    with pytest.raises(SettingsError, match="would share the run name WNLI-0-1e-05-4-5"):
+        grid(["WNLI"], lrs=[1e-5, 1.0000001e-5], batch_sizes=[4], checkpoint=0)
+
+
+def test_a_finished_sweep_summarises_again_without_its_pretraining_checkpoint(fixture_model_dir):
+    runs = grid(["MRPC"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    assert run_sweep(fixture_model_dir, runs, log=quiet)["ran"] == [runs[0].run_name]
+    (fixture_model_dir / "model" / "cp-0000.model").unlink()  # moved away after fine-tuning: not needed any more
+    outcome = run_sweep(fixture_model_dir, runs, log=quiet)
+    assert outcome["skipped"] == [runs[0].run_name] and len(outcome["summary"]["rows"]) == 1
 
 
 @pytest.mark.parametrize("flags, named", [

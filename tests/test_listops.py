@@ -129,10 +129,23 @@ def test_deep_trees_far_longer_than_the_limit_are_abandoned_not_completed():
     assert all(listops.evaluate_expression(src) == label for src, label in rows)
 
 
-def test_abandoning_long_trees_keeps_the_data_of_full_generation_at_lra_depth(monkeypatch):
-    abandoning = listops.generate(300, seed=3, max_depth=10, max_args=10, min_length=501, max_length=1999)
+def test_at_lra_settings_no_tree_is_abandoned_so_the_data_is_that_of_full_generation(monkeypatch):
+    # Abandoning a tree changes every later draw: at LRA's settings it must never happen (a full 100k-tree
+    # generation, 303,925 draws, peaked at 7,024 tokens against the 127,936-token bound).
+    abandoned = []
+    draw = listops.generate_tree
+
+    def counted(*args):
+        try:
+            return draw(*args)
+        except listops._TooLong:
+            abandoned.append(args[0])
+            raise
+    monkeypatch.setattr(listops, "generate_tree", counted)
+    rows = listops.generate(1000, seed=0)
+    assert len(rows) == 1000 and abandoned == []
     monkeypatch.setattr(listops, "GIVE_UP_FACTOR", 10 ** 9)
-    assert listops.generate(300, seed=3, max_depth=10, max_args=10, min_length=501, max_length=1999) == abandoning
+    assert listops.generate(1000, seed=0) == rows
 
 
 @pytest.mark.parametrize("content, message", [

@@ -734,7 +734,7 @@ def test_plot_reports_a_missing_log_on_stderr(tmp_path, capsys):
     assert out == "" and "error:" in err and "pretrain_output.log does not exist" in err
 
 
-@pytest.mark.parametrize("output", ["curves", "curves.xyz", ".", "config.json/curves.png"])
+@pytest.mark.parametrize("output", ["curves", "curves.xyz", ".", "config.json/curves.png"])  # (.pdf, .svg... work)
 def test_plot_refuses_an_output_that_is_not_an_image_file_it_can_write(tmp_path, capsys, output):
     folder = write_log(model_dir(tmp_path))
     assert main(["plot", "--model-dir", str(folder), "--output", str(folder / output)]) == 2

@@ -510,15 +510,16 @@ def _existing_config(model_dir: Path) -> dict:
     return data
 
 
-def _validated(build: Callable[[], Config], model_dir: Path, overrides: Optional[dict]) -> Config:
-    """``build()``, with a ConfigError named by the flag that set the key, else by the model folder's config.json."""
+def _validated(build: Callable[[], Config], source: Path, overrides: Optional[dict]) -> Config:
+    """``build()``, with a ConfigError named by the flag that set the key, else by ``source`` (the config.json the
+    other values came from)."""
     try:
         return build()
     except ConfigError as e:
         key = getattr(e, "key", "").removeprefix("model.")
         if key in (overrides or {}):
             raise InteropError(f"--{key.replace('_', '-')} {overrides[key]}: {str(e).split(': ', 1)[1]}") from None
-        raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool = False,
@@ -531,7 +532,7 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     existing = _existing_config(model_dir)
     base_cfg = _validated(lambda: config_from_dict({**existing, "model": {**existing.get("model", {}),
                                                                          **(overrides or {})}}, model_dir),
-                          model_dir, overrides)
+                          model_dir / "config.json", overrides)
     hf_cfg, hf_state = read_hf_folder(input_dir)
     family = hf_cfg.get("model_type")
     if base_cfg.model.pre_layer_norm:
@@ -561,7 +562,7 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     else:
         raise InteropError(f"{input_dir}: model_type {family!r}; import-hf reads nystromformer or roberta folders")
     data = {**existing, "model": dataclasses.asdict(mc)}
-    cfg = _validated(lambda: config_from_dict(data, model_dir), model_dir, overrides)
+    cfg = _validated(lambda: config_from_dict(data, model_dir), Path(input_dir) / "config.json", overrides)
     state = from_hf_state_dict(hf_state, mc, family, log)
     if checkpoint.resumable_checkpoints(cfg.checkpoint_dir, cfg.pretraining_setting.batches_per_epoch) and not force:
         raise InteropError(f"{cfg.checkpoint_dir} already has resumable checkpoints: pretraining would resume "

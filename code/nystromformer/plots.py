@@ -49,7 +49,6 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
 
 
 PLOTTED_KEYS = ("step", "loss", "mlm_accu")
-FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def plotted_entries(path: Path) -> Tuple[List[dict], List[dict]]:
@@ -71,8 +70,10 @@ def plotted_entries(path: Path) -> Tuple[List[dict], List[dict]]:
 
 
 def check_output(output: Path) -> None:
-    if output.suffix.lower() not in FORMATS or output.is_dir():
-        raise UserError(f"--output {output}: give an image file name ending in {', '.join(FORMATS)}")
+    from matplotlib.figure import Figure
+    formats = sorted("." + f for f in Figure().canvas.get_supported_filetypes())
+    if output.suffix.lower() not in formats or output.is_dir():
+        raise UserError(f"--output {output}: give an image file name ending in one of {', '.join(formats)}")
     if not output.is_file():  # (an existing image is replaced) its folders can be made
         check_output_folder(output, "--output")
 

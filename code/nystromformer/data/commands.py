@@ -8,6 +8,7 @@ from pathlib import Path
 from ..atomic import check_output_folder
 from ..cli import add_subcommand
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
+from .wiki import MAX_PROCESSES
 
 
 def _logging() -> None:
@@ -83,7 +84,7 @@ def cmd_build_shards(args) -> int:
 def add_extract_wiki_arguments(p) -> None:
     p.add_argument("--dump", type=Path, required=True, help="enwiki-*-pages-articles.xml.bz2")
     p.add_argument("--output", type=Path, required=True, help="folder for wikiextractor's <doc> files")
-    p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--processes", type=int, default=min(os.cpu_count() or 1, MAX_PROCESSES))
     p.add_argument("--bytes", default="100M", help="size of each output file (wikiextractor --bytes)")
 
 

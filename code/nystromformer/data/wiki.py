@@ -13,10 +13,19 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 log = logging.getLogger("nystromformer.data")
 MAX_PROCESSES = 256
+MIN_FILE_BYTES = 200 * 1024  # wikiextractor's own minimum (below it, it logs an error and exits 0)
+
+
+def _file_size(text: str) -> Optional[int]:
+    """wikiextractor's --bytes as it parses it (digits and a K/M/G suffix, or "0"), None if it would reject it."""
+    if text == "0":
+        return 0
+    match = re.fullmatch(r"([0-9]+)([KkMmGg])", text)
+    return int(match[1]) * 1024 ** ("kmg".index(match[2].lower()) + 1) if match else None
 
 
 def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_file: str = "100M") -> List[str]:
@@ -24,7 +33,7 @@ def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_fil
             "--processes", str(processes), "--bytes", bytes_per_file]
 
 
-def extract_wiki(dump: Path, output: Path, processes: int = os.cpu_count() or 1,
+def extract_wiki(dump: Path, output: Path, processes: int = min(os.cpu_count() or 1, MAX_PROCESSES),
                  bytes_per_file: str = "100M") -> int:
     """Extract ``<doc>`` files from a pages-articles dump into ``output/AA/wiki_00``, ...; returns the exit code."""
     from .partitions import InputError
@@ -34,8 +43,10 @@ def extract_wiki(dump: Path, output: Path, processes: int = os.cpu_count() or 1,
     # wikiextractor itself hangs with no worker process and exits 0 after rejecting a size.
     if not 1 <= processes <= MAX_PROCESSES:
         raise InputError(f"--processes: must be from 1 to {MAX_PROCESSES}, got {processes}")
-    if not re.fullmatch(r"[1-9][0-9]*[KkMmGg]?", bytes_per_file):
-        raise InputError(f"--bytes: a size such as 100M, 500K or 1G, got {bytes_per_file!r}")
+    size = _file_size(bytes_per_file)
+    if size is None or 0 < size < MIN_FILE_BYTES:
+        raise InputError(f"--bytes: a size of at least 200K with a K, M or G suffix (e.g. 100M, 1G), or 0 for one "
+                         f"article per file; got {bytes_per_file!r}")
     output.mkdir(parents=True, exist_ok=True)
     command = extract_wiki_command(dump, output, processes, bytes_per_file)
     log.info("running %s", " ".join(command))

@@ -8,10 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional
 
-from ..checkpoint import find_model
 from ..cli import add_subcommand, script_main
-from ..config import load_config
-from ..runtime import resolve_device
 from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS
@@ -96,10 +93,6 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
         if not values:
             raise SettingsError(f"{flag}: give at least one value")
     base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
-    # What would fail every run is one error line before the first run starts.
-    if base.device is not None:
-        resolve_device(base.device)
-    find_model(load_config(args.model_dir).checkpoint_dir, base.checkpoint)
     common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
     # Parallel workers write to log files; bars from several processes would interleave.
     if devices and len(devices) > 1:

@@ -30,7 +30,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import numpy as np
 
 from .. import atomic
+from ..checkpoint import find_model
 from ..config import load_config
+from ..runtime import resolve_device
 from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, finetune, is_finished, read_result,
                        run_dir)
 from .metrics import better_score
@@ -45,8 +47,14 @@ CODE_DIR = Path(__file__).resolve().parents[2]   # the folder holding the nystro
 def grid(tasks: Sequence[str], lrs: Sequence[float], batch_sizes: Sequence[int], **common) -> List[FinetuneSettings]:
     """One FinetuneSettings per (task, lr, batch size); ``common`` sets the rest (checkpoint, epochs...). A run
     named twice (``WNLI,wnli``, ``1e-3,0.001``) is run once: two copies would write one folder."""
-    runs = [FinetuneSettings(task=t, lr=lr, batch_size=bs, **common) for t in tasks for lr in lrs for bs in batch_sizes]
-    return list({s.run_name: s for s in reversed(runs)}.values())[::-1]
+    unique: Dict[str, FinetuneSettings] = {}
+    for s in (FinetuneSettings(task=t, lr=lr, batch_size=bs, **common)
+              for t in tasks for lr in lrs for bs in batch_sizes):
+        if s.run_name in unique and unique[s.run_name] != s:  # e.g. 1e-5 and 1.0000001e-5: one folder, two runs
+            raise SettingsError(f"the grid's runs {unique[s.run_name]} and {s} would share the run name "
+                                f"{s.run_name}; give values that differ in their names")
+        unique.setdefault(s.run_name, s)
+    return list(unique.values())
 
 
 def summary_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
@@ -76,8 +84,39 @@ def _summary_key(settings: FinetuneSettings) -> tuple:
     return settings.checkpoint, settings.seed, settings.max_train_examples
 
 
+class _Runs:
+    """The sweep's run subprocesses: started under a lock that stopping takes too, so none starts after a stop."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.running: set = set()
+
+    def start(self, cmd: List[str], **popen) -> Optional[subprocess.Popen]:
+        with self.lock:
+            if self.stopped:
+                return None
+            child = subprocess.Popen(cmd, **popen)
+            self.running.add(child)
+            return child
+
+    def finished(self, child: subprocess.Popen) -> None:
+        with self.lock:
+            self.running.discard(child)
+
+    def stop(self) -> int:
+        """Start no more and terminate the running ones; returns how many were running."""
+        with self.lock:
+            self.stopped = True
+            running = list(self.running)
+        for child in running:
+            child.terminate()
+        return len(running)
+
+
 def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, checkpoint_dir: Path,
-                    children: set) -> int:
+                    runs: _Runs) -> Optional[int]:
+    """The run's exit status, or None when the sweep was stopped before it started."""
     from .commands import settings_to_argv
 
     out = run_dir(checkpoint_dir, settings)
@@ -89,12 +128,13 @@ def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, ch
            *settings_to_argv(dataclasses.replace(settings, progress=False))]  # the console goes to a file
     # The console output of the latest attempt (rewritten each time); result.json marks completion.
     with open(out / "console.txt", "w") as console:
-        child = subprocess.Popen(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
-        children.add(child)  # so that a stopped sweep stops its runs too
+        child = runs.start(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
+        if child is None:
+            return None
         try:
             return child.wait()
         finally:
-            children.discard(child)
+            runs.finished(child)
 
 
 def _stop_on_sigterm(signum, frame):
@@ -118,6 +158,10 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
     skipped = [s.run_name for s in runs if s not in pending]
     if skipped:
         log(f"skipping {len(skipped)} finished run(s): {', '.join(skipped)}")
+    if pending:  # what would fail every run fails the sweep once, before the first (a finished one needs neither)
+        if runs[0].device is not None:
+            resolve_device(runs[0].device)
+        find_model(checkpoint_dir, runs[0].checkpoint)
     failed: List[str] = []
 
     if devices and len(devices) > 1:
@@ -125,20 +169,22 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         free = queue.Queue()
         for d in devices:
             free.put(d)
-        children: set = set()
-        stopping = threading.Event()
+        runs_in_flight = _Runs()
 
         def work(settings: FinetuneSettings) -> None:
             device = free.get()
             try:
-                if stopping.is_set():
+                if runs_in_flight.stopped:
                     return
                 log(f"start {settings.run_name} on CUDA_VISIBLE_DEVICES={device}")
-                code = _run_subprocess(model_dir, settings, device, checkpoint_dir, children)
-                if code != 0:
+                code = _run_subprocess(model_dir, settings, device, checkpoint_dir, runs_in_flight)
+                if code is not None and code != 0:
                     failed.append(settings.run_name)
                     console = run_dir(checkpoint_dir, settings) / "console.txt"
-                    log(f"FAILED {settings.run_name} (exit {code}); see {console}")
+                    if runs_in_flight.stopped:
+                        log(f"stopped {settings.run_name} (exit {code})")
+                    else:
+                        log(f"FAILED {settings.run_name} (exit {code}); see {console}")
             finally:
                 free.put(device)
 
@@ -150,15 +196,15 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         try:
             list(pool.map(work, pending))
         except BaseException:
-            stopping.set()
-            for child in list(children):
-                child.terminate()
-            log(f"stopped: {len(children)} run(s) in flight terminated; rerun the sweep to redo them")
+            stopped = runs_in_flight.stop()
+            log(f"stopped: {stopped} run(s) in flight terminated; rerun the sweep to redo them")
             raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, previous)
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+            finally:
+                if in_main_thread:
+                    signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     else:
         for i, settings in enumerate(pending, 1):
             log(f"run {i}/{len(pending)}: {settings.run_name}")
