@@ -161,3 +161,11 @@ def test_an_sts_b_score_outside_0_to_5_is_a_malformed_row_named_by_line(tmp_path
     result = read_split(tmp_path, get_task("STS-B"), "train")
     assert [e.label for e in result.examples] == [3.2, 5.0]
     assert result.malformed == [f"train.tsv:3: score {score!r} is outside 0 to 5"]
+
+
+def test_a_test_file_index_given_twice_is_a_malformed_row_naming_both_lines(tmp_path):
+    path = tmp_path / "test.tsv"
+    path.write_text("index\tsentence\n0\tA fine film.\n1\tDull.\n0\tAgain?\n")
+    result = read_tsv(path, Columns(text_a="sentence", index="index"), ["0", "1"], with_labels=False)
+    assert [e.index for e in result.examples] == ["0", "1"]
+    assert result.malformed == ["test.tsv:4: index '0' again (first at line 2)"]

@@ -376,7 +376,7 @@ def test_a_test_file_that_is_there_but_unusable_fails_the_run(shared_dir, tmp_pa
     assert run_glue_main(argv) == 2
     err = capsys.readouterr().err
     expected = {"wrong header": "no column 'index' in the header", "header only": "no rows after the header",
-                "not UTF-8": "test.tsv: unreadable (UnicodeDecodeError"}[broken]
+                "not UTF-8": f"test.tsv:{len(lines) + 1}: not UTF-8 (invalid continuation byte)"}[broken]
     assert err.startswith("error: ") and expected in err and "MRPC.tsv not written" in err, err
     # Trained and recorded: a rerun after fixing the file redoes only the submission.
     result = json.loads((model_dir / "model" / "glue" / "MRPC-0-0.001-2-1" / "result.json").read_text())
@@ -593,3 +593,25 @@ def test_stopping_a_parallel_sweep_stops_the_runs_in_flight(fixture_model_dir, m
     for child in started:
         assert child.wait(timeout=10) == -signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_glue_folder_without_the_tasks_folder_names_the_config_key(fixture_model_dir):
+    settings = FinetuneSettings(task="RTE", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    with pytest.raises(UserError, match=r"config.json: glue_dataset_folder: no RTE/ in .*glue"):
+        finetune(fixture_model_dir, settings, log=quiet)
+
+
+def test_a_file_whose_every_row_is_malformed_is_one_error_naming_the_rows(fixture_model_dir, tmp_path):
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES, glue)
+    train = glue / "MRPC" / "train.tsv"
+    lines = train.read_text().splitlines()
+    train.write_text("\n".join([lines[0]] + [line.rsplit("\t", 1)[0] for line in lines[1:]]) + "\n")
+    config = json.loads((fixture_model_dir / "config.json").read_text())
+    config["glue_dataset_folder"] = str(glue)
+    (fixture_model_dir / "config.json").write_text(json.dumps(config))
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    messages = []
+    with pytest.raises(UserError, match=r"train.tsv: skipped \d+ malformed row\(s\): train.tsv:2: 4 fields"):
+        finetune(fixture_model_dir, settings, log=messages.append)
+    assert not any(m.startswith("warning:") for m in messages)

@@ -258,11 +258,11 @@ def majority_baseline(task: Task, train: List[Example], dev_labels: Dict[str, li
 
 def _load_examples(glue_dir: Path, task: Task, split: str, log, skipped: Dict[str, int]) -> List[Example]:
     result = read_split(glue_dir, task, split)
+    if not result.examples:  # one error line, with the rows' faults
+        raise GlueDataError(result.report() or f"{result.path}: no rows")
     if result.report():
         log(f"warning: {result.report()}")
         skipped[split] = len(result.malformed)  # kept in result.json: a score over fewer rows than the file has
-    if not result.examples:
-        raise GlueDataError(f"{result.path}: no usable examples")
     return result.examples
 
 
@@ -282,6 +282,9 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
 
     # Data: read everything first, so a bad file fails before any training.
     glue_dir = cfg.glue_dir
+    if not (glue_dir / task.folder).is_dir():
+        raise GlueDataError(f"{cfg.config_file}: glue_dataset_folder: no {task.folder}/ in {glue_dir} (the GLUE "
+                            f"data folder, with one folder per task)")
     skipped_rows: Dict[str, int] = {}
     train_examples = subsample(_load_examples(glue_dir, task, "train", log, skipped_rows),
                                settings.max_train_examples)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ..errors import UserError
+from ..errors import UserError, first_undecodable_line
 
 # Some GLUE fields (MNLI parses) are longer than csv's default 128 KiB limit.
 csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
@@ -160,7 +160,9 @@ def read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_lab
         raise MissingGlueFile(f"missing GLUE file {path}")
     try:
         return _read_tsv(path, columns, labels, with_labels)
-    except (OSError, UnicodeDecodeError, csv.Error) as e:  # unreadable as a whole: a user error naming the file
+    except UnicodeDecodeError as e:
+        raise GlueDataError(f"{path}:{first_undecodable_line(path)}: not UTF-8 ({e.reason})") from None
+    except (OSError, csv.Error) as e:  # unreadable as a whole: a user error naming the file
         raise GlueDataError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
@@ -179,6 +181,7 @@ def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_la
         lab = _field_index(columns.label, header, path) if with_labels else None
         idx = _field_index(columns.index, header, path)
         row_number = 0
+        first_seen: Dict[str, int] = {}  # index -> line
         for row in reader:
             line = reader.line_num
             if not row:  # a blank line (e.g. trailing newline) is not a row
@@ -211,6 +214,10 @@ def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_la
                     result.malformed.append(f"{where}: unknown label {raw!r} (expected one of {', '.join(labels)})")
                     continue
             index = row[idx].strip() if idx is not None else str(row_number)
+            if not with_labels and index in first_seen:  # the server takes one prediction per test index
+                result.malformed.append(f"{where}: index {index!r} again (first at line {first_seen[index]})")
+                continue
+            first_seen.setdefault(index, line)
             result.examples.append(Example(index, text_a, text_b, label))
             row_number += 1
     return result

@@ -24,7 +24,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 from tqdm import tqdm
 
 from .. import atomic
-from ..errors import UserError
+from ..errors import UserError, first_undecodable_line
 
 
 class ListOpsDataError(UserError, ValueError):
@@ -237,17 +237,7 @@ def read_tsv(path: Path) -> List[Tuple[List[str], int]]:
         with open(path, encoding="utf-8-sig", newline="") as f:  # streamed: LRA's training file is ~0.3 GB
             return _read_rows(path, csv.reader(f, delimiter="\t"))
     except UnicodeDecodeError as e:
-        with open(path, "rb") as f:  # the error comes from a read-ahead block: find its line
-            line = next(n for n, raw in enumerate(f, start=1) if not _decodes(raw))
-        raise ListOpsDataError(f"{path}:{line}: not UTF-8 ({e.reason})") from None
-
-
-def _decodes(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-        return True
-    except UnicodeDecodeError:
-        return False
+        raise ListOpsDataError(f"{path}:{first_undecodable_line(path)}: not UTF-8 ({e.reason})") from None
 
 
 def _read_rows(path: Path, reader) -> List[Tuple[List[str], int]]:
