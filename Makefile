@@ -23,6 +23,20 @@ RATIO_bookcorpus := 1
 RATIO_stories := 0.333
 RATIO_realnews := 0.333
 DATASETS ?= $(foreach c,$(CORPORA),$(PARTITIONS)/$(c):$(RATIO_$(c)))
+KNOWN_CORPORA := wiki bookcorpus stories realnews
+# The variable naming each corpus's input (checked before the first corpus step: no hours of Wikipedia first)
+INPUT_VAR_wiki := WIKI_DUMP
+INPUT_VAR_bookcorpus := BOOKCORPUS
+INPUT_VAR_stories := STORIES
+INPUT_VAR_realnews := REALNEWS
+ifneq ($(filter partitions data-512 data-4096,$(MAKECMDGOALS)),)
+ifeq ($(strip $(CORPORA)),)
+$(error CORPORA is empty: give some of $(KNOWN_CORPORA))
+endif
+ifneq ($(filter-out $(KNOWN_CORPORA),$(CORPORA)),)
+$(error CORPORA: unknown corpus $(filter-out $(KNOWN_CORPORA),$(CORPORA)) (known: $(KNOWN_CORPORA)))
+endif
+endif
 # Dev split: runs of this many consecutive sequences (the paper's files held 8,192); small data needs fewer
 DEV_RUN ?= 8192
 
@@ -45,7 +59,14 @@ IMAGE ?= nystromformer:latest
 
 .DEFAULT_GOAL := help
 .PHONY: help setup constraints test demo partitions clean-partitions data-512 data-4096
-.PHONY: pretrain validate glue glue-sweep docker-build docker-pretrain
+.PHONY: pretrain validate glue glue-sweep docker-build docker-pretrain check-inputs
+
+# A variable of another target given on the command line would be silently unused: $(call only_for,VARS,TARGET,USE)
+only_for = $(foreach v,$(1),$(if $(filter command line,$(origin $(v))),@echo "error: $(v) is not used by $(2) \
+  (it takes $(3))" >&2; exit 2;))
+# The model folder, for the targets that run outside our command-line checks (torchrun, docker)
+require_model = @[ -f "$(MODEL)/config.json" ] || { echo "error: MODEL=$(MODEL): no config.json in that folder" >&2; \
+  exit 2; }
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -79,19 +100,24 @@ EXTRACTED := $(WORK)/wiki-extracted
 STAMPS := $(WORK)/completed
 partitions: $(addprefix $(STAMPS)/,$(CORPORA)) ## extract and partition the corpora (CORPORA: default all four)
 
-$(STAMPS)/wiki-extracted: | $(VENV)/.installed
+check-inputs:
+	@$(foreach c,$(CORPORA),[ -e "$(STAMPS)/$(c)" ] $(if $(filter wiki,$(c)),|| [ -e "$(STAMPS)/wiki-extracted" ]) \
+	  || [ -e "$($(INPUT_VAR_$(c)))" ] || { echo "error: $(INPUT_VAR_$(c))=$($(INPUT_VAR_$(c))): not found (the \
+	  $(c) input; set $(INPUT_VAR_$(c)), or leave $(c) out of CORPORA)" >&2; exit 2; };) true
+
+$(STAMPS)/wiki-extracted: | $(VENV)/.installed check-inputs
 	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(EXTRACTED)
 	mkdir -p $(STAMPS) && touch $@
 $(STAMPS)/wiki: $(STAMPS)/wiki-extracted
 	$(NYS) preprocess wiki --input $(EXTRACTED) --output $(PARTITIONS)/wiki
 	mkdir -p $(STAMPS) && touch $@
-$(STAMPS)/bookcorpus: | $(VENV)/.installed
+$(STAMPS)/bookcorpus: | $(VENV)/.installed check-inputs
 	$(NYS) preprocess bookcorpus --input $(BOOKCORPUS) --output $(PARTITIONS)/bookcorpus $(BOOKCORPUS_FLAGS)
 	mkdir -p $(STAMPS) && touch $@
-$(STAMPS)/stories: | $(VENV)/.installed
+$(STAMPS)/stories: | $(VENV)/.installed check-inputs
 	$(NYS) preprocess stories --input $(STORIES) --output $(PARTITIONS)/stories
 	mkdir -p $(STAMPS) && touch $@
-$(STAMPS)/realnews: | $(VENV)/.installed
+$(STAMPS)/realnews: | $(VENV)/.installed check-inputs
 	$(NYS) preprocess realnews --input $(REALNEWS) --output $(PARTITIONS)/realnews
 	mkdir -p $(STAMPS) && touch $@
 
@@ -111,16 +137,20 @@ pretrain: setup ## pretrain MODEL (resumes; NPROC=8 for 8 GPUs; multi-node: TORC
 ifeq ($(NPROC) $(TORCHRUN_ARGS),1 --standalone)
 	$(NYS) pretrain --model-dir $(MODEL)
 else
+	@[[ "$(NPROC)" =~ ^[1-9][0-9]*$$ ]] || { echo "error: NPROC=$(NPROC): a number of processes, from 1" >&2; exit 2; }
+	$(require_model)
 	$(VENV)/bin/torchrun $(TORCHRUN_ARGS) --nproc_per_node $(NPROC) code/run_pretrain.py --model-dir $(MODEL)
 endif
 
-validate: setup ## MLM validation of MODEL's checkpoints not yet validated
-	$(NYS) validate --model-dir $(MODEL)
+validate: setup ## MLM validation of MODEL's checkpoints not yet validated (CHECKPOINT=N: that one)
+	$(NYS) validate --model-dir $(MODEL) $(if $(filter command line,$(origin CHECKPOINT)),--checkpoint $(CHECKPOINT))
 
 glue: setup ## fine-tune MODEL's cp-CHECKPOINT on TASK (BATCH_SIZE, LR, EPOCHS)
+	$(call only_for,TASKS LRS BATCH_SIZES,glue,TASK LR BATCH_SIZE; TASKS LRS BATCH_SIZES are glue-sweep's)
 	$(NYS) glue --model-dir $(MODEL) --task $(TASK) --checkpoint $(CHECKPOINT) --batch_size $(BATCH_SIZE) --lr $(LR) --epoch $(EPOCHS)
 
 glue-sweep: setup ## the paper's GLUE grid (LRS x BATCH_SIZES, EPOCHS) for TASKS on MODEL's cp-CHECKPOINT
+	$(call only_for,TASK LR BATCH_SIZE,glue-sweep,TASKS LRS BATCH_SIZES; TASK LR BATCH_SIZE are glue's)
 	$(NYS) glue-sweep --model-dir $(MODEL) --checkpoint $(CHECKPOINT) --tasks $(TASKS) --lrs $(LRS) --batch-sizes $(BATCH_SIZES) --epoch $(EPOCHS)
 
 docker-build: ## build the Docker image IMAGE from docker/Dockerfile
@@ -129,5 +159,8 @@ docker-build: ## build the Docker image IMAGE from docker/Dockerfile
 # The whole repository is mounted, so that paths relative to the model folder (data, glue, a from_cp in
 # ../nystrom-512) resolve as outside the container.
 docker-pretrain: ## pretrain MODEL in Docker on all GPUs (stop with docker stop; rerun to resume)
-	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(notdir $(MODEL)) \
+	@case "$(MODEL)" in /*|../*) echo "error: MODEL=$(MODEL): a folder inside the repository (mounted at /workspace)" \
+	  >&2; exit 2;; esac
+	$(require_model)
+	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(notdir $(patsubst %/,%,$(MODEL))) \
 	  -v $(CURDIR):/workspace -w /workspace/$(MODEL) $(IMAGE) pretrain

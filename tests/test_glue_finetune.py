@@ -615,3 +615,18 @@ def test_a_file_whose_every_row_is_malformed_is_one_error_naming_the_rows(fixtur
     with pytest.raises(UserError, match=r"train.tsv: skipped \d+ malformed row\(s\): train.tsv:2: 4 fields"):
         finetune(fixture_model_dir, settings, log=messages.append)
     assert not any(m.startswith("warning:") for m in messages)
+
+
+def test_a_sweep_over_a_task_whose_folder_is_missing_stops_before_the_first_run(fixture_model_dir):
+    runs = grid(["MRPC", "RTE"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    with pytest.raises(UserError, match=r"glue_dataset_folder: no RTE/ in .*; or leave RTE out of --tasks"):
+        run_sweep(fixture_model_dir, runs, log=quiet)
+    assert not (fixture_model_dir / "model" / "glue").exists()
+
+
+def test_a_malformed_grid_value_is_named_with_its_flag(fixture_model_dir, capsys):
+    from nystromformer.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["glue-sweep", "--model-dir", str(fixture_model_dir), "--checkpoint", "0", "--lrs", "2e-5,abc"])
+    assert exit_.value.code == 2
+    assert "argument --lrs: expected comma-separated numbers, got '2e-5,abc'" in capsys.readouterr().err

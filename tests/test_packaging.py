@@ -142,3 +142,27 @@ def test_make_glue_passes_the_papers_flags_through():
     dry = subprocess.run(["make", "-n", "glue", "MODEL=m", "TASK=RTE", "CHECKPOINT=3", "LR=2e-5", "BATCH_SIZE=16"],
                          cwd=REPO, capture_output=True, text=True).stdout
     assert "glue --model-dir m --task RTE --checkpoint 3 --batch_size 16 --lr 2e-5 --epoch 5" in dry
+
+
+@pytest.mark.parametrize("args, says", [
+    (["partitions", "CORPORA=wiki foo"], "CORPORA: unknown corpus foo (known: wiki bookcorpus stories realnews)"),
+    (["data-512", "CORPORA="], "CORPORA is empty"),
+    (["partitions", "CORPORA=wiki stories", "WIKI_DUMP=/no/dump.xml.bz2"],
+     "error: WIKI_DUMP=/no/dump.xml.bz2: not found (the wiki input; set WIKI_DUMP, or leave wiki out of CORPORA)"),
+    (["pretrain", "NPROC=0"], "error: NPROC=0: a number of processes, from 1"),
+    (["pretrain", "NPROC=2", "MODEL=no-such-model"], "error: MODEL=no-such-model: no config.json in that folder"),
+    (["docker-pretrain", "MODEL=/abs/model"], "error: MODEL=/abs/model: a folder inside the repository"),
+    (["glue-sweep", "TASK=RTE"], "error: TASK is not used by glue-sweep (it takes TASKS LRS BATCH_SIZES"),
+    (["glue", "LRS=1e-5"], "error: LRS is not used by glue (it takes TASK LR BATCH_SIZE"),
+])
+def test_make_variables_with_mistakes_stop_with_one_line_naming_the_variable(tmp_path, args, says):
+    proc = subprocess.run(["make", "-s", *args, f"WORK={tmp_path}"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert not (tmp_path / "wiki-extracted").exists()
+
+
+def test_make_validate_passes_a_checkpoint_given_on_the_command_line():
+    def dry(*args):
+        return subprocess.run(["make", "-n", "validate", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+    assert "--checkpoint 3" in dry("CHECKPOINT=3") and "--checkpoint" not in dry()

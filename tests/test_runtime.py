@@ -72,3 +72,30 @@ def test_stopping_pretraining_before_its_first_step_is_an_error_naming_the_flag(
     model_dir = str(Path(__file__).parents[1] / "nystrom-512")
     assert main(["pretrain", "--model-dir", model_dir, "--stop-at-step", "-1"]) == 2
     assert capsys.readouterr().err == "error: --stop-at-step: must be at least 1 (a global step), got -1\n"
+
+
+@pytest.mark.parametrize("variable, value, says", [
+    ("NYSTROM_IMPL", "fastt", "NYSTROM_IMPL / impl: expected one of auto, reference, fast, got 'fastt'"),
+    ("NYSTROM_TRITON", "2", "NYSTROM_TRITON: expected one of 0, 1, all, got '2'"),
+    ("NYSTROM_OVERLAP", "yes", "NYSTROM_OVERLAP: expected one of 0, 1, got 'yes'"),
+    ("WORLD_SIZE", "abc", "WORLD_SIZE=abc: expected an integer >= 1"),
+    ("WORLD_SIZE", "0", "WORLD_SIZE=0: expected an integer >= 1"),
+    ("WORLD_SIZE", "2", "WORLD_SIZE=2 without RANK, MASTER_ADDR, MASTER_PORT: start the processes with torchrun"),
+    ("RANK", "1", "RANK=1 with WORLD_SIZE=1: a rank must be below the world size"),
+    ("LOCAL_RANK", "x", "LOCAL_RANK=x: expected an integer >= 0"),
+])
+def test_a_bad_environment_variable_is_one_error_line_when_the_command_starts(capsys, monkeypatch, variable, value,
+                                                                             says):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    model_dir = str(Path(__file__).parents[1] / "nystrom-512")
+    for command in (["pretrain", "--model-dir", model_dir], ["validate", "--model-dir", model_dir]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {says}") and len(err.splitlines()) == 1, err
+    if variable.startswith("NYSTROM"):  # GLUE and LRA check them too, before their data
+        for command in (["glue", "--task", "RTE", "--checkpoint", "0", "--model-dir", model_dir],
+                        ["listops-train", "--generate", "--out", "unused"]):
+            assert main(command) == 2
+            assert capsys.readouterr().err.startswith(f"error: {says}")

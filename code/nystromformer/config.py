@@ -323,8 +323,8 @@ def load_config(path: Union[str, Path]) -> Config:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"no config file at {path}")
+    if not path.is_file():  # absolute: a relative name says nothing inside a container's working folder
+        raise ConfigError(f"no config file at {path.absolute()}")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)
     except UnicodeDecodeError as e:

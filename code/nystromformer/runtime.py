@@ -55,15 +55,54 @@ def resolve_device(name: Optional[str], local_rank: int = 0) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_environment() -> None:
+    """The NYSTROM_* switches of the Nyström attention, checked when a command starts: they are read at each
+    forward, where a misspelt value would fail only after the data and model are loaded (or, on the CPU, where
+    NYSTROM_TRITON and NYSTROM_OVERLAP are not read at all, be ignored)."""
+    from .attention import nystrom, nystrom_fast
+    nystrom.use_fast_path(torch.empty(0), "auto")
+    nystrom_fast.triton_mode()
+    nystrom_fast.overlap_mode()
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    text = os.environ.get(name)
+    try:
+        value = default if text is None else int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise UserError(f"{name}={text}: expected an integer >= {low} (set by torchrun; unset it to run one process)")
+    return value
+
+
+def distributed_environment() -> tuple:
+    """(world size, rank, local rank) from torchrun's variables, checked: a stray or partial set (a cluster's
+    exported RANK, WORLD_SIZE without torchrun) would otherwise fail deep inside torch.distributed."""
+    world_size = _env_int("WORLD_SIZE", 1, 1)
+    rank, local_rank = _env_int("RANK", 0, 0), _env_int("LOCAL_RANK", 0, 0)
+    if rank >= world_size:
+        raise UserError(f"RANK={rank} with WORLD_SIZE={world_size}: a rank must be below the world size (run "
+                        f"several processes with torchrun, or unset RANK)")
+    if world_size > 1:
+        missing = [v for v in ("RANK", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise UserError(f"WORLD_SIZE={world_size} without {', '.join(missing)}: start the processes with "
+                            f"torchrun (make pretrain NPROC={world_size}), which sets them")
+    return world_size, rank, local_rank
+
+
 def setup_runtime(mixed_precision: bool, device: Optional[str] = None) -> Runtime:
     """The device (default: cuda:LOCAL_RANK when there is a GPU), and the process group under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    check_environment()
+    world_size, rank, local_rank = distributed_environment()
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
+        if rank == 0:  # init waits for every process: say so, rather than sit silent
+            print(f"waiting for the {world_size} processes to join at {os.environ['MASTER_ADDR']}:"
+                  f"{os.environ['MASTER_PORT']}", flush=True)
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
     return Runtime(rank, world_size, dev, autocast_dtype(dev, mixed_precision))
 

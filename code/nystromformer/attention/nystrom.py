@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from . import key_padding_mask, register
 
 
@@ -67,6 +68,10 @@ def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "origin
 IMPLS = ("auto", "reference", "fast")
 
 
+class AttentionSettingError(UserError, ValueError):
+    """An invalid NYSTROM_* environment variable (or module setting)."""
+
+
 def use_fast_path(q: torch.Tensor, impl: str = "auto") -> bool:
     """Which formulation ``NystromAttention.forward`` runs.
 
@@ -77,7 +82,7 @@ def use_fast_path(q: torch.Tensor, impl: str = "auto") -> bool:
     """
     impl = os.environ.get("NYSTROM_IMPL") or impl
     if impl not in IMPLS:
-        raise ValueError(f"NYSTROM_IMPL / impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
+        raise AttentionSettingError(f"NYSTROM_IMPL / impl: expected one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "auto":
         return q.is_cuda
     return impl == "fast"

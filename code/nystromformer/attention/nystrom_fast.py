@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .nystrom import pinv_init, segment_means
+from .nystrom import AttentionSettingError, pinv_init, segment_means
 
 
 TRITON_MODES = ("0", "1", "all")
@@ -54,7 +54,7 @@ def triton_mode() -> str:
     the one-node training backward) — the default moves to them once a GPU session has checked and timed them."""
     mode = os.environ.get("NYSTROM_TRITON", "1")
     if mode not in TRITON_MODES:
-        raise ValueError(f"NYSTROM_TRITON: expected one of {', '.join(TRITON_MODES)}, got {mode!r}")
+        raise AttentionSettingError(f"NYSTROM_TRITON: expected one of {', '.join(TRITON_MODES)}, got {mode!r}")
     return mode
 
 
@@ -260,7 +260,8 @@ def overlap_mode() -> bool:
     CPU (and under torch.compile or CUDA-graph capture) the split form runs on one stream: same function."""
     mode = os.environ.get("NYSTROM_OVERLAP", "0")
     if mode not in OVERLAP_MODES:
-        raise ValueError(f"NYSTROM_OVERLAP: expected one of {', '.join(OVERLAP_MODES)}, got {mode!r}")
+        raise AttentionSettingError(f"NYSTROM_OVERLAP: expected one of {', '.join(OVERLAP_MODES)}, got "
+                                    f"{mode!r}")
     return mode == "1"
 
 

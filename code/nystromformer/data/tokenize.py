@@ -112,7 +112,7 @@ class DocumentEncoder:
         self.backend = tokenizer.backend_tokenizer
         self.fast = None
         if allow_word_cache is None:  # NYSTROMFORMER_NO_WORD_CACHE=1 forces the Rust backend (for comparisons)
-            allow_word_cache = not os.environ.get("NYSTROMFORMER_NO_WORD_CACHE")
+            allow_word_cache = os.environ.get("NYSTROMFORMER_NO_WORD_CACHE", "0") in ("", "0")
         if allow_word_cache and WordCachedBPE.applies_to(self.backend):
             fast = WordCachedBPE(self.backend)
             # A probe the fast path declines (None) goes to the library anyway; one it encodes must agree.

@@ -76,11 +76,17 @@ def cmd_glue(args: argparse.Namespace) -> int:
 
 
 def _floats(text: str) -> List[float]:
-    return [float(x) for x in text.split(",") if x]
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def _ints(text: str) -> List[int]:
-    return [int(x) for x in text.split(",") if x]
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def cmd_glue_sweep(args: argparse.Namespace) -> int:

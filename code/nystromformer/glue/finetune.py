@@ -36,7 +36,7 @@ from ..checkpoint import load as load_checkpoint
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
-from ..runtime import autocast_dtype, linear_warmup_decay, resolve_device
+from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
 from ..tokenizer import load_tokenizer, model_tokenizer
 from .encoding import EncodedDataset, PadCollator
 from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
@@ -256,6 +256,12 @@ def majority_baseline(task: Task, train: List[Example], dev_labels: Dict[str, li
                                            for split, labels in dev_labels.items()}))
 
 
+def check_task_folder(cfg, task: Task) -> None:
+    if not (cfg.glue_dir / task.folder).is_dir():
+        raise GlueDataError(f"{cfg.config_file}: glue_dataset_folder: no {task.folder}/ in {cfg.glue_dir} (the "
+                            f"GLUE data folder, with one folder per task)")
+
+
 def _load_examples(glue_dir: Path, task: Task, split: str, log, skipped: Dict[str, int]) -> List[Example]:
     result = read_split(glue_dir, task, split)
     if not result.examples:  # one error line, with the rows' faults
@@ -272,7 +278,8 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     Returns the result dict also written to result.json: best_epoch, best_score, best_metrics (dev),
     history (one entry per epoch), and the paths of the log, the best weights and the submission files.
     """
-    device = resolve_device(settings.device)  # fail before the slow parts
+    check_environment()  # fail before the slow parts
+    device = resolve_device(settings.device)
     cfg = load_config(model_dir)
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
@@ -282,9 +289,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
 
     # Data: read everything first, so a bad file fails before any training.
     glue_dir = cfg.glue_dir
-    if not (glue_dir / task.folder).is_dir():
-        raise GlueDataError(f"{cfg.config_file}: glue_dataset_folder: no {task.folder}/ in {glue_dir} (the GLUE "
-                            f"data folder, with one folder per task)")
+    check_task_folder(cfg, task)
     skipped_rows: Dict[str, int] = {}
     train_examples = subsample(_load_examples(glue_dir, task, "train", log, skipped_rows),
                                settings.max_train_examples)

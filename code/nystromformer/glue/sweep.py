@@ -33,10 +33,10 @@ from .. import atomic
 from ..checkpoint import find_model
 from ..config import load_config
 from ..runtime import resolve_device
-from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, finetune, is_finished, read_result,
-                       run_dir)
+from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_task_folder, finetune,
+                       is_finished, read_result, run_dir)
 from .metrics import better_score
-from .tasks import TASKS, submission_file_names
+from .tasks import TASKS, GlueDataError, get_task, submission_file_names
 
 PAPER_LRS = (2e-5, 3e-5, 4e-5, 5e-5)
 PAPER_BATCH_SIZES = (16, 32)
@@ -162,6 +162,11 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         if runs[0].device is not None:
             resolve_device(runs[0].device)
         find_model(checkpoint_dir, runs[0].checkpoint)
+        for task in dict.fromkeys(s.task for s in pending):
+            try:
+                check_task_folder(cfg, get_task(task))
+            except GlueDataError as e:
+                raise GlueDataError(f"{e}; or leave {task} out of --tasks") from None
     failed: List[str] = []
 
     if devices and len(devices) > 1:

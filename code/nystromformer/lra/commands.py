@@ -19,7 +19,7 @@ from ..cli import add_subcommand
 from ..config import ATTENTION_TYPES
 from ..atomic import check_output_folder
 from ..errors import UserError
-from ..runtime import resolve_device
+from ..runtime import check_environment, resolve_device
 from . import listops
 from .train import RunSettings, encode_splits, majority_accuracy, model_config, train_one, write_results
 
@@ -144,6 +144,7 @@ def run_train(args) -> int:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    check_environment()
     resolve_device(settings.device)
     check_output_folder(args.out, "--out")
     if args.generate:
