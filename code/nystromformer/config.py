@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from .errors import UserError
+from .errors import UserError, first_undecodable_line
 
 
 class ConfigError(UserError, ValueError):
@@ -328,8 +328,7 @@ def load_config(path: Union[str, Path]) -> Config:
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}: not UTF-8 (line {line}: {e.reason})") from None
+        raise ConfigError(f"{path}: not UTF-8 (line {first_undecodable_line(path)}: {e.reason})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
     if duplicate := _first_duplicate(data):

@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 from tqdm import tqdm
 
 from .. import atomic
-from ..errors import UserError
+from ..errors import UserError, first_undecodable_line
 from .readers import SkipLog
 
 log = logging.getLogger("nystromformer.data")
@@ -339,19 +339,18 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
 def read_partition(path: Path) -> Iterator[str]:
     """Documents of one partition file, streamed (blank lines separate documents)."""
     lines: List[str] = []
-    # Lines end at \n only: a lone \r inside a document is text, not a line break (universal newlines would turn
+    # newline="\n": a lone \r inside a document is text, not a line break (universal newlines would turn
     # "\r\r" into a blank line, i.e. a document boundary).
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:  # preprocess writes UTF-8: the file was made or changed by hand
-                raise PartitionError(f"{path}:{number}: not UTF-8 ({e.reason}); partition files are written by "
-                                     f"`nystromformer preprocess`") from None
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
+    try:
+        with open(path, encoding="utf-8", newline="\n") as f:
+            for line in f:
+                if line.strip():
+                    lines.append(line)
+                elif lines:
+                    yield "".join(lines).rstrip("\n")
+                    lines = []
+    except UnicodeDecodeError as e:  # preprocess writes UTF-8: the file was made or changed by hand
+        raise PartitionError(f"{path}:{first_undecodable_line(path)}: not UTF-8 ({e.reason}); partition files are "
+                             f"written by `nystromformer preprocess`") from None
     if lines:
         yield "".join(lines).rstrip("\n")

@@ -251,7 +251,7 @@ def _read_rows(path: Path, reader) -> List[Tuple[List[str], int]]:
         if len(row) != 2:
             raise ListOpsDataError(f"{path}:{lineno}: expected 2 tab-separated columns, got {len(row)}")
         tokens = [t for t in row[0].split() if t not in ("(", ")")]
-        unknown = sorted(set(tokens) - set(TOKEN_ID))
+        unknown = sorted(set(tokens).difference(TOKEN_ID))
         if unknown:
             raise ListOpsDataError(f"{path}:{lineno}: unknown token(s) {', '.join(map(repr, unknown[:5]))} "
                                    f"(ListOps has digits 0-9, {' '.join(OPERATORS)} and ])")
