@@ -15,9 +15,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from ..atomic import check_output_folder
 from ..cli import add_subcommand
 from ..config import ATTENTION_TYPES
-from ..atomic import check_output_folder
 from ..errors import UserError
 from ..runtime import check_environment, resolve_device
 from . import listops
@@ -147,8 +147,6 @@ def run_train(args) -> int:
     check_environment()
     resolve_device(settings.device)
     check_output_folder(args.out, "--out")
-    if args.generate:
-        check_generation_arguments(args)
     for name in names:  # every run's settings checked before the first one trains
         model_config(name, settings, overrides)
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
