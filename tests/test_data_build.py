@@ -2,13 +2,14 @@
 import hashlib
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from nystromformer.data.build import BuildError, build_shards, dev_split_warning, parse_dataset
-from nystromformer.data.partitions import write_partitions
+from nystromformer.data.partitions import partition_files, read_partition, write_partitions
 from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
 from nystromformer.data.tokenize import train_tokenizer
 from nystromformer.shards import ShardedSequences
@@ -118,18 +119,34 @@ def test_dev_split_is_deterministic_about_a_tenth_and_depends_on_the_seed(partit
     assert a == b and a["train_sequences"] + a["dev_sequences"] == c["train_sequences"] + c["dev_sequences"]
 
 
-def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_tokenizer, tmp_path):
+def one_big_partition(partitions, folder):
+    """Every fixture document in one partition file: its token stream is cut in bulk (64 blocks) many times."""
+    documents = [d for name in ("wiki", "stories", "realnews", "bookcorpus")
+                 for p in partition_files(partitions / name) for d in read_partition(p)]
+    write_partitions(iter(documents), folder / "big", "big", SkipLog(), words_per_partition=10 ** 9)
+    return folder
+
+
+@pytest.mark.parametrize("source", ["small-partitions", "one-big-partition"])
+def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_tokenizer, tmp_path, source):
     # As the paper's pipeline sent whole files of 8,192 consecutive sequences to dev: dev text seldom neighbours
     # trained text. With every sequence in train the shards hold each file's sequences in order.
-    order = build(partitions, trained_tokenizer, tmp_path / "order", seq_len=16, datasets=("wiki",),
-                  dev_fraction=0.0)
+    root, dataset = (partitions, "wiki") if source == "small-partitions" else (
+        one_big_partition(partitions, tmp_path), "big")
+    order = build(root, trained_tokenizer, tmp_path / "order", seq_len=16, datasets=(dataset,),
+                  dev_fraction=0.0, shard_size=1000)
     assert order["dev_sequences"] == 0
-    index = {tuple(r): i for i, r in enumerate(all_rows(tmp_path / "order", "train"))}
-    build(partitions, trained_tokenizer, tmp_path / "runs", seq_len=16, datasets=("wiki",),
+    rows = all_rows(tmp_path / "order", "train")
+    index = {tuple(r): i for i, r in enumerate(rows)}
+    if source == "one-big-partition":
+        assert len(rows) > 3 * 64
+    build(root, trained_tokenizer, tmp_path / "runs", seq_len=16, datasets=(dataset,),
           dev_fraction=0.4, dev_run=4)
-    dev = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "dev")}
-    train = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "train")}
-    assert dev and train and not dev & train and len(dev | train) == len(index)
+    # Rows that occur twice in the text (a repeated 14-token block) are placed by their first occurrence only.
+    repeated = {r for r, n in Counter(map(tuple, rows)).items() if n > 1}
+    dev = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "dev") if tuple(r) not in repeated}
+    train = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "train") if tuple(r) not in repeated}
+    assert dev and train and not dev & train and len(dev | train) == len(index) - len(repeated)
     # Runs are counted per partition file, from its first sequence: within a file, run k is all dev or all train.
     files = json.loads((tmp_path / "order" / "train.json").read_text())["shards"]
     starts, first = [], 0
@@ -142,7 +159,7 @@ def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_token
     for lo, hi in zip(bounds, bounds[1:]):
         for run_lo in range(lo, hi, 4):
             members = set(range(run_lo, min(run_lo + 4, hi)))
-            assert members <= dev or members <= train, (run_lo, sorted(members & dev))
+            assert not (members & dev and members & train), (run_lo, sorted(members & dev))
 
 
 def test_a_folder_built_before_dev_runs_resumes_only_with_its_per_sequence_split(partitions, trained_tokenizer,
@@ -168,12 +185,34 @@ def test_sampling_ratio_keeps_a_seeded_subset_of_a_datasets_sequences(partitions
     assert third["datasets"]["realnews"]["sequences_sampled_out"] == n - len(third_rows)
 
 
-def test_invalid_sampling_ratios_and_changed_settings_are_refused(partitions, trained_tokenizer, tmp_path):
-    with pytest.raises(BuildError, match="ratio"):
-        parse_dataset(f"{partitions / 'wiki'}:1.5")
-    build(partitions, trained_tokenizer, tmp_path, seq_len=16)
-    with pytest.raises(BuildError, match="max_seq_len"):
-        build(partitions, trained_tokenizer, tmp_path, seq_len=32)
+@pytest.mark.parametrize("ratio", ["1.5", "0", "-0.5"])
+def test_sampling_ratios_outside_zero_to_one_are_refused(partitions, ratio):
+    with pytest.raises(BuildError, match=rf"sampling ratio must be in \(0, 1\], got {float(ratio)}"):
+        parse_dataset(f"{partitions / 'wiki'}:{ratio}")
+
+
+@pytest.mark.parametrize("changed, key", [
+    ({"seq_len": 32}, "max_seq_len"), ({"seed": 1}, "seed"), ({"dev_fraction": 0.2}, "dev_fraction"),
+    ({"shard_size": 9}, "shard_size"), ({"dev_run": 2}, "dev_run"),
+])
+def test_resuming_a_build_with_other_settings_is_refused_naming_the_setting(partitions, trained_tokenizer, tmp_path,
+                                                                            changed, key):
+    # Another seed or fraction would mix two different splits in one folder: dev rows could also be in train.
+    settings = dict(seq_len=16, seed=0, dev_fraction=0.1, shard_size=8, dev_run=1)
+    build(partitions, trained_tokenizer, tmp_path, datasets=("wiki",), **settings)
+    with pytest.raises(BuildError, match=rf"other settings \({key} differ\)"):
+        build(partitions, trained_tokenizer, tmp_path, datasets=("wiki",), **{**settings, **changed})
+
+
+def test_each_partition_file_draws_its_own_split_not_the_same_pattern_in_every_file(partitions, trained_tokenizer,
+                                                                                     tmp_path):
+    # Seeded by (seed, dataset, file): two datasets holding the same text split it differently.
+    for name in ("copy1", "copy2"):
+        shutil.copytree(partitions / "wiki", tmp_path / name)
+    build(tmp_path, trained_tokenizer, tmp_path / "out", seq_len=16, datasets=("copy1", "copy2"),
+          dev_fraction=0.5, dev_run=1, shard_size=100000)
+    first, second = (np.load(tmp_path / "out" / f"{name}--part-00000-train-00000.npy") for name in ("copy1", "copy2"))
+    assert first.shape != second.shape or not np.array_equal(first, second)
 
 
 def test_rerunning_a_finished_build_touches_no_file(partitions, trained_tokenizer, tmp_path):
@@ -402,6 +441,8 @@ def test_a_token_id_past_the_vocabulary_is_an_error_naming_the_shard(tmp_path):
 @pytest.mark.parametrize("options, message", [
     ({"seed": -1}, r"--seed must be in \[0, 2\^63\), got -1"),
     ({"workers": 0}, "--workers must be at least 1, got 0"),
+    ({"dev_fraction": 1.0}, r"--dev-fraction must be in \[0, 1\), got 1.0"),
+    ({"dev_fraction": -0.1}, r"--dev-fraction must be in \[0, 1\), got -0.1"),
 ])
 def test_impossible_build_options_are_refused_before_anything_is_written(partitions, trained_tokenizer, tmp_path,
                                                                          options, message):

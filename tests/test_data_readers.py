@@ -97,9 +97,37 @@ def test_realnews_keeps_articles_of_1000_words_and_counts_bad_lines(tmp_path):
     assert where == {"bad_json": f"{jsonl}:3", "missing_text": f"{jsonl}:4", "undecodable_bytes": f"{jsonl}:5"}
 
 
-def test_min_words_is_configurable(tmp_path):
-    stats, documents = preprocess(tmp_path, "realnews", "--min-words", "10")
-    assert len(documents) == 3 and stats["documents_too_short"] == 0
+@pytest.mark.parametrize("min_words", ["10", "0"])
+def test_min_words_is_configurable_and_zero_keeps_every_document(tmp_path, min_words):
+    stats, documents = preprocess(tmp_path, "realnews", "--min-words", min_words)
+    assert len(documents) == 3 and stats["documents_too_short"] == 0 and stats["min_words"] == int(min_words)
+
+
+def test_a_document_of_exactly_min_words_is_kept_as_the_paper_says_at_least(tmp_path):
+    documents = [" ".join(["w"] * 128), " ".join(["w"] * 127)]
+    stats = write_partitions(iter(documents), tmp_path / "p", "wiki", SkipLog(), min_words=128)
+    assert stats["documents_kept"] == 1 and stats["documents_too_short"] == 1
+
+
+def test_a_partition_closes_as_soon_as_it_reaches_words_per_partition(tmp_path):
+    documents = [" ".join([f"d{i}"] * 5) for i in range(4)]  # 5 words each, 10 per partition: two and two
+    write_partitions(iter(documents), tmp_path / "p", "wiki", SkipLog(), words_per_partition=10)
+    assert [list(read_partition(p)) for p in partition_files(tmp_path / "p")] == [documents[:2], documents[2:]]
+
+
+@pytest.mark.parametrize("text", ["one doc\n\nlast doc\n", "one doc\n\nlast doc"], ids=["newline", "no-newline"])
+def test_a_partition_file_from_another_tool_keeps_its_last_document_without_a_trailing_blank_line(tmp_path, text):
+    path = tmp_path / "part-00000.txt"
+    path.write_text(text)
+    assert list(read_partition(path)) == ["one doc", "last doc"]
+
+
+def test_a_book_file_of_only_whitespace_is_counted_as_empty_not_dropped_silently(tmp_path):
+    (tmp_path / "a.txt").write_text("One line.\n")
+    (tmp_path / "b.txt").write_text("  \n\n\t\n")
+    skips = SkipLog()
+    documents = list(bookcorpus_documents([tmp_path / "a.txt", tmp_path / "b.txt"], skips, document_per_file=True))
+    assert documents == ["One line."] and skips.counts == {"empty_file": 1}
 
 
 def file_states(folder):
@@ -143,6 +171,10 @@ def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tm
           "--bytes", "100K"], "--bytes: a size of at least 200K"),
         (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x", "--min-words", "-5"],
          "--min-words must be at least 0, got -5"),
+        (["preprocess", "bookcorpus", "--input", FIXTURES / "bookcorpus", "--output", tmp_path / "x",
+          "--sentences-per-document", "0"], "--sentences-per-document must be at least 1, got 0"),
+        (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x",
+          "--words-per-partition", "0"], "--words-per-partition must be at least 1, got 0"),
     ]
     for argv, named in mistakes:
         assert run_command(argv) == 2, argv

@@ -96,3 +96,14 @@ def test_added_tokens_of_any_spelling_go_through_the_library(roberta):
     doc = "a [NEWTOK] b"
     (ids,) = DocumentEncoder(roberta).encode([doc])
     assert ids.tolist() == library_ids(roberta, doc)
+
+
+def test_a_word_cache_that_disagrees_with_the_tokenizer_on_the_probe_is_not_used(roberta, monkeypatch, caplog):
+    # The start-up probe is the safety net for tokenizers the word cache was not checked on: simulate a defect.
+    real = tok_mod.WordCachedBPE.encode_word
+    monkeypatch.setattr(tok_mod.WordCachedBPE, "encode_word", lambda self, word: tuple(reversed(real(self, word))))
+    with caplog.at_level("WARNING"):
+        encoder = DocumentEncoder(roberta, allow_word_cache=True)
+    assert encoder.fast is None and "disagrees with the tokenizer on a probe text" in caplog.text
+    text = "Tokenizers must agree id for id."
+    assert encoder.encode([text])[0].tolist() == library_ids(roberta, text)

@@ -54,3 +54,24 @@ def test_real_wiki_dump_becomes_valid_resumable_shards(shared_dir, tmp_path):
     before = file_states(shards)
     assert run_command(build + ["--workers", 1]) == 0  # a re-run (with other worker count) is a no-op
     assert file_states(shards) == before
+
+
+DEMO_DUMP = Path(__file__).resolve().parents[1] / "demo" / "sample-pages-articles.xml.bz2"
+
+
+def test_extract_wiki_bytes_zero_writes_one_article_per_file_as_wikiextractor_does(tmp_path):
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", tmp_path, "--processes", 1,
+                        "--bytes", "0"]) == 0
+    articles = [f.read_text().count("<doc ") for f in tmp_path.rglob("wiki_*")]
+    # wikiextractor leaves its first file empty at --bytes 0 (preprocess counts it as an empty file)
+    assert sorted(set(articles)) == [0, 1] and articles.count(0) == 1 and articles.count(1) > 100
+
+
+def test_a_file_that_is_no_wiki_dump_is_an_error_after_wikiextractor_finds_no_article(tmp_path, capsys):
+    import bz2
+    dump = tmp_path / "not-a-dump.xml.bz2"
+    dump.write_bytes(bz2.compress(b"some text, not MediaWiki XML\n"))
+    assert run_command(["extract-wiki", "--dump", dump, "--output", tmp_path / "out", "--processes", 1]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (f"error: {dump}: wikiextractor found no article in it "
+                                    f"(is it a pages-articles XML dump?)"), err

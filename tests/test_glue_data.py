@@ -26,11 +26,12 @@ def roberta(shared_dir):
     return load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
 
 
-def test_task_names_are_forgiving_about_case_and_dashes():
+def test_task_names_are_forgiving_about_case_dashes_and_underscores():
     assert get_task("sst2").name == "SST-2"
     assert get_task("STS-B").name == get_task("stsb").name == "STS-B"
     assert get_task("mnli").num_labels == 3
     assert get_task("sts-b").is_regression
+    assert get_task("sts_b").name == "STS-B" and get_task("sst_2").name == "SST-2"
     with pytest.raises(GlueDataError, match="known tasks: CoLA"):
         get_task("squad")
 
@@ -97,17 +98,35 @@ def test_malformed_qqp_row_is_counted_and_named_not_dropped_silently():
     assert "skipped 1 malformed row(s): train.tsv:4" in result.report()
 
 
-def test_unknown_labels_and_bad_scores_are_reported(tmp_path):
+PAIR = Columns(text_a="sentence1", text_b="sentence2", label="label", index="index")
+
+
+def test_unknown_labels_empty_texts_shifted_columns_and_bad_scores_are_reported(tmp_path):
     path = tmp_path / "dev.tsv"
-    path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n2\t\tb\tentailment\n")
-    result = read_tsv(path, Columns(text_a="sentence1", text_b="sentence2", label="label", index="index"),
-                      ["entailment", "not_entailment"])
-    assert len(result.examples) == 1
+    path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment \n1\ta\tb\tmaybe\n"
+                    "2\t\tb\tentailment\n3\ta\t \tentailment\n4\ta\tb\tc\tentailment\n")
+    result = read_tsv(path, PAIR, ["entailment", "not_entailment"])
+    assert [(e.index, e.label) for e in result.examples] == [("0", 0)]  # labels are read without their spaces
     assert result.malformed == ["dev.tsv:3: unknown label 'maybe' (expected one of entailment, not_entailment)",
-                                "dev.tsv:4: empty text"]
+                                "dev.tsv:4: empty text", "dev.tsv:5: empty text",
+                                "dev.tsv:6: 5 fields, expected 4"]  # an extra tab would shift the columns
     path.write_text("index\tsentence1\tsentence2\tscore\n0\ta\tb\tfive\n")
     result = read_tsv(path, Columns(text_a="sentence1", text_b="sentence2", label="score", index="index"), None)
     assert result.malformed == ["dev.tsv:2: score 'five' is not a number"]
+
+
+def test_a_file_starting_with_a_byte_order_mark_reads_its_header(tmp_path):
+    (tmp_path / "RTE").mkdir()
+    (tmp_path / "RTE" / "train.tsv").write_bytes(
+        "\ufeffindex\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n".encode("utf-8"))
+    assert [e.index for e in read_split(tmp_path, get_task("RTE"), "train").examples] == ["0"]
+
+
+def test_a_file_without_an_index_column_indexes_rows_by_their_position_malformed_rows_included(tmp_path):
+    path = tmp_path / "dev.tsv"
+    path.write_text("sentence\tlabel\ngood\t1\nbad\t7\n\nfine\t0\n")  # a blank line is not a row
+    result = read_tsv(path, Columns(text_a="sentence", label="label"), ["0", "1"])
+    assert [(e.index, e.text_a) for e in result.examples] == [("0", "good"), ("2", "fine")]
 
 
 def test_missing_file_and_wrong_header_are_clear_errors(tmp_path):

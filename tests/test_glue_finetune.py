@@ -630,3 +630,104 @@ def test_a_malformed_grid_value_is_named_with_its_flag(fixture_model_dir, capsys
         main(["glue-sweep", "--model-dir", str(fixture_model_dir), "--checkpoint", "0", "--lrs", "2e-5,abc"])
     assert exit_.value.code == 2
     assert "argument --lrs: expected comma-separated numbers, got '2e-5,abc'" in capsys.readouterr().err
+
+
+def test_the_best_epoch_is_the_one_with_the_best_dev_score_and_a_nan_score_never_wins():
+    from nystromformer.glue.metrics import better_score
+    nan = float("nan")
+    assert better_score(0.6, 0.5) and not better_score(0.4, 0.5)
+    assert not better_score(0.5, 0.5)                    # a tie keeps the earlier epoch
+    assert better_score(0.5, nan) and better_score(-1.0, nan)  # a finite epoch beats a diverged one
+    assert not better_score(nan, 0.5) and not better_score(nan, nan)
+
+
+def test_the_submission_is_predicted_with_the_best_epochs_weights_not_the_last(fixture_model_dir, monkeypatch):
+    from nystromformer.glue import finetune as ft
+    real_evaluate, scores, evaluated = ft.evaluate, iter([0.9, 0.1]), []  # epoch 1 scores best, the last worse
+
+    def evaluate(runner, *args):
+        evaluated.append({name: t.clone() for name, t in runner.model.state_dict().items()})
+        metrics, one_class = real_evaluate(runner, *args)
+        score = next(scores)
+        return {name: score for name in metrics}, one_class
+
+    predicted_with = {}
+    real_submit = ft.write_task_submission
+
+    def write_task_submission(runner, *args, **kwargs):
+        predicted_with.update({name: t.clone() for name, t in runner.model.state_dict().items()})
+        return real_submit(runner, *args, **kwargs)
+
+    monkeypatch.setattr(ft, "evaluate", evaluate)
+    monkeypatch.setattr(ft, "write_task_submission", write_task_submission)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-2, batch_size=1, epochs=2, progress=False)
+    result = finetune(fixture_model_dir, settings, log=quiet)
+    assert result["best_epoch"] == 1 and [h["score"] for h in result["history"]] == [0.9, 0.1]
+    best = torch.load(run_dir(fixture_model_dir / "model", settings) / "best.model", weights_only=True)
+    assert best["epoch"] == 1 and predicted_with.keys() == best["model_state_dict"].keys()
+    assert all(torch.equal(predicted_with[name], t) for name, t in best["model_state_dict"].items())
+    assert all(torch.equal(evaluated[0][name], t) for name, t in best["model_state_dict"].items())
+    # The last epoch's weights differ (lr 1e-2): predicting with them would be the mistake this guards against.
+    assert any(not torch.equal(evaluated[1][name], t) for name, t in best["model_state_dict"].items())
+
+
+def test_warmup_is_a_fraction_of_all_steps_and_the_rate_decays_to_zero_at_the_end(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=1, epochs=2, warmup=0.5,
+                                progress=False, submission=False)
+    history = finetune(fixture_model_dir, settings, log=quiet)["history"]
+    # 3 steps an epoch, 6 in all, 3 warming up: the peak is reached at the end of the first epoch.
+    assert [h["lr"] for h in history] == [pytest.approx(1e-3), pytest.approx(0.0)]
+
+
+def test_training_subsets_do_not_depend_on_the_global_random_state():
+    from nystromformer.glue.finetune import subsample
+    from nystromformer.glue.tasks import Example
+    import random
+    examples = [Example(str(i), "a", None, i % 2) for i in range(100)]
+    random.seed(1)
+    first = subsample(examples, 10)
+    random.seed(2)
+    assert subsample(examples, 10) == first and len(first) == 10
+    assert [e.index for e in first] == sorted((e.index for e in first), key=int)  # file order kept
+
+
+def test_max_train_examples_limits_the_training_set_only(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=8, epochs=1, progress=False,
+                                submission=False, max_train_examples=1)
+    messages = []
+    finetune(fixture_model_dir, settings, log=messages.append)
+    assert any(m.endswith("on MRPC: 1 train example, 2 dev examples, 1 step on cpu") for m in messages), messages
+
+
+def test_test_outputs_that_are_not_finite_write_no_submission_file_and_are_recorded(fixture_model_dir, monkeypatch):
+    from nystromformer.glue import finetune as ft
+    real_submit = ft.write_task_submission
+
+    def with_one_nan_row(runner, *args, **kwargs):  # finite on dev, one NaN row on test
+        predict = runner.predict
+
+        def predict_with_nan(loader):
+            outputs = predict(loader).copy()
+            outputs[0] = np.nan
+            return outputs
+        runner.predict = predict_with_nan
+        return real_submit(runner, *args, **kwargs)
+
+    monkeypatch.setattr(ft, "write_task_submission", with_one_nan_row)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    message = "MRPC.tsv: the model's outputs are NaN or infinite for 1 of 2 test rows"
+    with pytest.raises(ft.SubmissionError, match=message):
+        finetune(fixture_model_dir, settings, log=quiet)
+    out = run_dir(fixture_model_dir / "model", settings)
+    assert not (out / "submission" / "MRPC.tsv").exists()
+    assert [e.startswith(message) for e in json.loads((out / "result.json").read_text())["submission_errors"]] == [True]
+
+
+def test_the_sweep_average_is_over_the_best_run_of_each_task(tmp_path):
+    runs = grid(["RTE", "MRPC"], lrs=[1e-3, 2e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    scores = {("RTE", 1e-3): 0.5, ("RTE", 2e-3): 0.6, ("MRPC", 1e-3): 0.9, ("MRPC", 2e-3): 0.7}
+    for settings in runs:
+        write_finished_run(tmp_path, settings, scores[settings.task, settings.lr])
+    summary = write_summary(tmp_path, runs, log=quiet)
+    assert {t: r["score"] for t, r in summary["best_per_task"].items()} == {"MRPC": 0.9, "RTE": 0.6}
+    assert summary["average"] == pytest.approx(0.75)  # not 0.675, the mean of every run

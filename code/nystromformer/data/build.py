@@ -68,7 +68,7 @@ def parse_dataset(arg: str) -> DatasetSpec:
     """``<partitions dir>[:<sampling ratio>]``; the dataset is named after the folder."""
     folder, ratio = arg, 1.0
     # A trailing ":<number>" is a ratio; any other colon is part of the path.
-    if m := re.fullmatch(r"(.+):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", arg):
+    if m := re.fullmatch(r"(.+):([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", arg):
         folder, ratio = m.group(1), float(m.group(2))
     if not 0 < ratio <= 1:
         raise BuildError(f"{arg}: sampling ratio must be in (0, 1], got {ratio}")

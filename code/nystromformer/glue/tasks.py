@@ -180,12 +180,13 @@ def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_la
         a, b = _field_index(columns.text_a, header, path), _field_index(columns.text_b, header, path)
         lab = _field_index(columns.label, header, path) if with_labels else None
         idx = _field_index(columns.index, header, path)
-        row_number = 0
+        row_number = -1  # the row's position among the file's rows, malformed ones included
         first_seen: Dict[str, int] = {}  # index -> line
         for row in reader:
             line = reader.line_num
             if not row:  # a blank line (e.g. trailing newline) is not a row
                 continue
+            row_number += 1
             where = f"{path.name}:{line}"
             if len(row) != num_fields:
                 result.malformed.append(f"{where}: {len(row)} fields, expected {num_fields}")
@@ -219,7 +220,6 @@ def _read_tsv(path: Path, columns: Columns, labels: Optional[List[str]], with_la
                 continue
             first_seen.setdefault(index, line)
             result.examples.append(Example(index, text_a, text_b, label))
-            row_number += 1
     return result
 
 
