@@ -40,6 +40,20 @@ def with_change(section, key, value):
     (None, "from_cp", "", "from_cp: must be a non-empty path, or null"),
     ("pretraining_setting", "seed", -1, "pretraining_setting.seed: must be in [0, 2^63) (torch's seeds), got -1"),
     ("pretraining_setting", "seed", 2 ** 70, "pretraining_setting.seed: must be in [0, 2^63)"),
+    ("model", "num_layers", 0, "model.num_layers: must be >= 1, got 0"),
+    ("model", "num_landmarks", 0, "model.num_landmarks: must be >= 1, got 0"),
+    ("model", "pinv_iterations", 0, "model.pinv_iterations: must be >= 1, got 0"),
+    ("model", "dropout_prob", 1.0, "model.dropout_prob: must be in [0, 1), got 1.0"),
+    ("model", "pad_token_id", 64, "model.pad_token_id: must be a token id below vocab_size (64), got 64"),
+    ("model", "max_seq_len", 2 ** 20 + 1, "model.max_seq_len: must be <= 1048576"),
+    ("model", "layer_norm_eps", 0, "model.layer_norm_eps: must be > 0"),
+    ("pretraining_setting", "mask_prob", 0, "pretraining_setting.mask_prob: must be in (0, 1), got 0"),
+    ("pretraining_setting", "mask_prob", 1, "pretraining_setting.mask_prob: must be in (0, 1), got 1"),
+    ("pretraining_setting", "keep_resume_checkpoints", 0,
+     "pretraining_setting.keep_resume_checkpoints: must be >= 1 (or null to keep all), got 0"),
+    ("pretraining_setting", "max_grad_norm", 0, "pretraining_setting.max_grad_norm: must be > 0 (or null"),
+    ("pretraining_setting", "warmup", 1, "pretraining_setting.warmup: is the fraction of steps"),
+    ("pretraining_setting", "adam_eps", 0, "pretraining_setting.adam_eps: must be > 0"),
 ])
 def test_bad_values_are_rejected_with_the_key_named(section, key, value, message):
     with pytest.raises(ConfigError, match=None) as err:
@@ -86,6 +100,13 @@ def test_missing_keys_take_the_paper_defaults():
     assert (cfg.model.num_landmarks, cfg.model.pinv_iterations, cfg.model.inv_coeff_init_option) == (64, 6, "original")
     assert (cfg.pretraining_setting.batch_size, cfg.pretraining_setting.learning_rate) == (256, 1e-4)
     assert cfg.model.conv_kernel_size is None
+    # Most of these are not in the shipped nystrom-512: its run takes the defaults, so they must be the paper's.
+    ps = cfg.pretraining_setting
+    assert (ps.mask_prob, ps.weight_decay, ps.adam_eps, ps.warmup, ps.max_grad_norm, ps.seed) == \
+        (0.15, 0.01, 1e-6, 0.01, None, 0)
+    assert (cfg.model.layer_norm_eps, cfg.model.dropout_prob, cfg.model.vocab_size, cfg.model.pad_token_id) == \
+        (1e-5, 0.1, 50265, 1)
+    assert cfg.model.attention_fp32 and cfg.model.mixed_precision and not cfg.model.pre_layer_norm
 
 
 def test_paths_are_relative_to_the_model_folder(tmp_path):

@@ -3,6 +3,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -325,12 +326,6 @@ def test_bad_config_stops_the_command_with_the_key_named(tmp_path, data):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "model.num_landmarks: expected an integer" in proc.stderr
-
-
-def test_data_with_a_larger_vocabulary_than_the_model_is_refused(tmp_path, data):
-    folder = model_dir(tmp_path, model={"vocab_size": 32})
-    with pytest.raises(ConfigError, match=r"run/config.json: model.vocab_size: 32 is smaller .*data/meta.json"):
-        run(folder)
 
 
 @pytest.mark.slow
@@ -692,18 +687,25 @@ def test_from_cp_in_the_run_s_own_checkpoint_folder_is_no_earlier_run(tmp_path, 
     assert read_log(folder / "model" / "pretrain_output.log", "warm_start")[0]["checkpoint"].endswith("cp-0007.model")
 
 
-def test_from_cp_that_the_run_would_overwrite_is_refused_naming_the_key(tmp_path, data):
+@pytest.mark.parametrize("name, why", [
+    ("cp-0001.model", "the run writes its own checkpoints there and would overwrite it"),
+    ("cp-0002.model", "the run writes its own checkpoints there and would overwrite it"),  # the last epoch's
+    ("cp-0007.cp", "a .cp there is taken for this run's own checkpoint and resumed from, not warm-started from"),
+    ("step-00000001.cp", "a .cp there is taken for this run's own checkpoint"),
+])
+def test_from_cp_that_the_run_would_overwrite_or_resume_from_is_refused_naming_the_key(tmp_path, data, name, why):
     source = model_dir(tmp_path, "source", pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
     assert run(source) == 0
-    folder = model_dir(tmp_path, from_cp="model/cp-0001.model")
+    folder = model_dir(tmp_path, from_cp=f"model/{name}")  # a 3-epoch run: it writes cp-0000 to cp-0002
+    assert load_config(folder).pretraining_setting.epoch == 3
     (folder / "model").mkdir()
-    weights = (source / "model" / "cp-0000.model").read_bytes()
-    (folder / "model" / "cp-0001.model").write_bytes(weights)
-    with pytest.raises(ConfigError, match=r"run/config.json: from_cp: .*cp-0001.model lies in this run's checkpoint "
-                                          r"folder, where the run writes its own checkpoints and would overwrite it"):
+    weights = (source / "model" / ("cp-0000.cp" if name.endswith(".cp") else "cp-0000.model")).read_bytes()
+    (folder / "model" / name).write_bytes(weights)
+    with pytest.raises(ConfigError, match=rf"run/config.json: from_cp: .*{re.escape(name)} lies in this run's "
+                                          rf"checkpoint folder \({re.escape(why)}"):
         run(folder)
-    assert sorted(p.name for p in (folder / "model").iterdir()) == ["cp-0001.model", "pretrain.lock"]
-    assert (folder / "model" / "cp-0001.model").read_bytes() == weights
+    assert sorted(p.name for p in (folder / "model").iterdir()) == sorted([name, "pretrain.lock"])
+    assert (folder / "model" / name).read_bytes() == weights
 
 
 def write_log(folder):
@@ -752,3 +754,150 @@ def test_plot_leaves_out_entries_it_cannot_plot_and_says_so(tmp_path, capsys):
     (folder / "model" / "pretrain_output.log").write_text('{"type": "config"}\n')
     assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 2
     assert "pretrain_output.log: no train or dev entry to plot" in capsys.readouterr().err
+
+
+def test_every_setting_that_shapes_the_run_is_refused_on_resume_and_only_those_listed_may_change(tmp_path):
+    from nystromformer.resume import RESUME_MAY_CHANGE, check_resumable_config
+    cfg = config_from_dict(tiny_config())
+    current = cfg.to_dict()
+    for section in ("model", "pretraining_setting", "gpu_setting"):
+        for key, value in current[section].items():
+            other = (not value if isinstance(value, bool) else value + 1 if isinstance(value, (int, float))
+                     else 7 if value is None else f"other-{value}")
+            saved = json.loads(json.dumps(current))
+            saved[section][key] = other
+            if key in RESUME_MAY_CHANGE[section]:
+                check_resumable_config(saved, cfg, "cp-0000.cp")
+            else:
+                with pytest.raises(ConfigError, match=rf"{section}.{key}: is .* but cp-0000.cp was trained with"):
+                    check_resumable_config(saved, cfg, "cp-0000.cp")
+    assert RESUME_MAY_CHANGE == {  # how the work is split and reported, never what is computed
+        "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
+        "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
+        "gpu_setting": {"inst_per_gpu", "compile"}}
+
+
+def test_each_epoch_reads_the_next_sequences_of_one_seeded_shuffled_order(tmp_path, data, monkeypatch):
+    from nystromformer.mlm import SampleOrder
+    from nystromformer.shards import ShardedSequences
+    read, rows = [], ShardedSequences.rows
+
+    def record(self, indices):
+        if self.split == "train":
+            read.extend(int(i) for i in indices)
+        return rows(self, indices)
+
+    monkeypatch.setattr(ShardedSequences, "rows", record)
+    folder = model_dir(tmp_path, pretraining_setting={"seed": 3})  # 3 epochs x 4 batches x 16 of 256 sequences
+    assert run(folder) == 0
+    assert read == SampleOrder(256, 3).indices(0, 192).tolist() and len(set(read)) == 192  # no epoch rereads
+
+
+def test_the_training_log_and_checkpoints_name_the_epoch_each_step_belongs_to(tmp_path, data):
+    folder = model_dir(tmp_path, pretraining_setting={"validate_batches_per_epoch": 0})
+    assert run(folder, stop_at_step=6) == PREEMPTED_EXIT_CODE
+    assert run(folder) == 0
+    train = read_log(folder / "model" / "pretrain_output.log")
+    assert [(e["step"], e["epoch"]) for e in train] == [(s, (s - 1) // 4) for s in range(1, 13)]
+    for epoch in range(3):
+        weights = checkpoint.load(folder / "model" / f"cp-{epoch:04d}.model")
+        resume = checkpoint.load(folder / "model" / f"cp-{epoch:04d}.cp")
+        assert (weights["epoch"], resume["epoch"], weights["step"], resume["step"]) == (epoch, epoch, 4 * (epoch + 1),
+                                                                                        4 * (epoch + 1))
+
+
+def test_a_dev_evaluation_lost_after_a_later_epoch_is_redone_on_resume(tmp_path, uninterrupted):
+    folder = model_dir(tmp_path)
+    assert run(folder, stop_at_step=8) == PREEMPTED_EXIT_CODE
+    drop_dev_entries(folder, 8)  # killed between cp-0001.cp and its dev evaluation; step 4's is there
+    assert run(folder) == 0
+    assert losses(folder, "dev") == uninterrupted[1]
+
+
+def test_a_log_past_the_first_epoch_without_any_checkpoint_is_an_earlier_run_not_overwritten(tmp_path, data):
+    folder = model_dir(tmp_path)
+    (folder / "model").mkdir()
+    log = folder / "model" / "pretrain_output.log"
+    log.write_text("".join(json.dumps({"type": "train", "epoch": (s - 1) // 4, "step": s, "loss": 4.0}) + "\n"
+                           for s in range(1, 7)))  # 6 steps at 4 a batch: epoch 0's checkpoint was written once
+    before = log.read_text()
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds an earlier run \(pretrain_output.log\)"):
+        run(folder)
+    assert log.read_text() == before
+
+
+@pytest.mark.parametrize("model, named", [
+    ({"vocab_size": 32}, r"model.vocab_size: 32 is smaller than the data's vocabulary \(64 in .*data/meta.json\)"),
+    ({"max_seq_len": 16}, r"model.max_seq_len: 16 is shorter than the data's sequences \(32 in .*data/meta.json\)"),
+    ({"pad_token_id": 0}, r"model.pad_token_id: 0 differs from the data's pad id 1 \(.*data/meta.json\)"),
+])
+def test_data_that_does_not_fit_the_model_is_refused_naming_the_key(tmp_path, data, model, named):
+    folder = model_dir(tmp_path, model=model)
+    with pytest.raises(ConfigError, match=rf"run/config.json: {named}"):
+        run(folder)
+
+
+def test_resuming_on_data_with_other_special_tokens_is_refused(tmp_path, data):
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["special_tokens"]["mask"] = 5  # same rows, another mask id: the model would learn another token
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"data/meta.json: special_tokens was .*\"mask\": 4.*, is .*\"mask\": 5"):
+        run(folder)
+
+
+def test_the_optimizer_is_adamw_with_the_configs_rate_decay_and_epsilon():
+    from nystromformer.pretrain import build_optimizer
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(learning_rate=3e-4, weight_decay=0.05, adam_eps=1e-8)
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), config_from_dict(cfg), torch.device("cpu"))
+    [group] = optimizer.param_groups
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.9, 0.999), 1e-8, 0.05)
+
+
+def test_the_rate_rises_linearly_over_the_warm_up_then_falls_linearly(tmp_path):
+    from nystromformer.pretrain import build_scheduler
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(learning_rate=1.0, warmup=0.2, epoch=1, batches_per_epoch=10)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, config_from_dict(cfg))
+    rates = []
+    for _ in range(10):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # OneCycle: from peak/25 to the peak at step 1 (20% of 10 steps, counted from 0), then a straight line down.
+    assert rates[0] == pytest.approx(1 / 25) and rates[1] == pytest.approx(1.0)
+    falls = [a - b for a, b in zip(rates[1:], rates[2:])]
+    assert falls == pytest.approx([falls[0]] * len(falls)) and falls[0] > 0
+
+
+def test_max_grad_norm_clips_every_step(tmp_path, data, monkeypatch):
+    clipped, clip = [], torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm, *a, **k: (clipped.append(max_norm), clip(params, max_norm, *a, **k))[1])
+    folder = model_dir(tmp_path, pretraining_setting={"max_grad_norm": 0.5, "epoch": 1,
+                                                      "validate_batches_per_epoch": 0})
+    assert run(folder) == 0
+    assert clipped == [0.5] * 4
+    clipped.clear()
+    assert run(model_dir(tmp_path, "unclipped", pretraining_setting={"epoch": 1})) == 0
+    assert clipped == []
+
+
+def test_a_dev_loss_that_is_not_finite_stops_the_run_as_a_divergence(tmp_path, data, monkeypatch):
+    forward = NystromformerForMaskedLM.forward
+
+    def nan_in_evaluation(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return out if self.training else dataclasses.replace(out, loss_sum=out.loss_sum * float("nan"))
+
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", nan_in_evaluation)
+    folder = model_dir(tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"the dev loss is nan after step 4"):
+        run(folder)
+    strict = dict(parse_constant=lambda c: pytest.fail(f"{c} in the JSON log"))
+    log = (folder / "model" / "pretrain_output.log").read_text().splitlines()
+    assert not [e for e in (json.loads(line, **strict) for line in log) if e["type"] == "dev"]

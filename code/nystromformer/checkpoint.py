@@ -3,13 +3,14 @@
 - ``cp-NNNN.model``: ``{"model_state_dict": ..., "epoch": NNNN, "step": ..., "config": ...}`` written at the
   end of epoch NNNN (0-based): the weights alone, for validation, fine-tuning and ``from_cp``.
 - ``cp-NNNN.cp``: everything needed to resume (weights, optimizer, scheduler, scaler, epoch, step,
-  inst_pass, RNG states).
+  inst_pass, RNG states); ``epoch`` is that of the last step done (NNNN, as in the .model), ``step`` what counts.
 - ``step-YYYYYYYY.cp``: the same, written mid-epoch when the run is stopped (SIGTERM, SIGINT, --stop-at-step).
 
 Every write is atomic; every load uses ``weights_only=True`` (no arbitrary unpickling).
 """
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -83,7 +84,12 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: no such checkpoint file") from None
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a folder; a checkpoint is a cp-NNNN.model or .cp file") from None
-    except Exception as e:  # truncated zip, bad magic, unpicklable object...
+    except pickle.UnpicklingError as e:  # torch's message is a page of advice, some of it to unpickle anyway
+        what = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        raise CheckpointError(f"{path}: unreadable checkpoint: it holds a Python object "
+                              f"({what.group(1) if what else 'not a tensor or plain value'}) that loading would have "
+                              f"to run code to rebuild; only tensors and plain values are loaded") from None
+    except Exception as e:  # truncated zip, bad magic...
         raise CheckpointError(f"{path}: unreadable checkpoint: not a file torch.save wrote, or damaged "
                               f"({type(e).__name__}: {e})") from None
     if not isinstance(obj, dict) or "model_state_dict" not in obj:

@@ -37,8 +37,9 @@ from .jsonlog import JsonLog
 from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate_fp16_safe, generator,
                   mask_tokens, micro_batches, padding_mask, to_device)
 from .model import NystromformerForMaskedLM, masked_positions_of
-from .resume import (check_data, check_resumable_config, check_resumable_data, check_same_step_on_every_rank,
-                     data_fingerprint, dev_point_missing, refuse_to_overwrite_history, rng_state, set_rng_state)
+from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
+                     check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
+                     rng_state, set_rng_state)
 from .runtime import Runtime, barrier, setup_runtime
 from .shards import ShardedSequences
 
@@ -247,6 +248,8 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
     nonfinite = NonFiniteLosses(scaler.is_enabled(), ckpt_dir, ps.batches_per_epoch)
     if rt.is_main:
         checkpoint.remove_stale_temp_files(ckpt_dir)
+    if cfg.from_cp:
+        check_from_cp_location(ckpt_dir, cfg.path(cfg.from_cp), ps.epoch, cfg.config_file)
     state = checkpoint.load_newest_resumable(ckpt_dir, ps.batches_per_epoch, log=say)
     if rt.world_size > 1:
         check_same_step_on_every_rank(state["step"] if state else 0, rt)
@@ -272,8 +275,8 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             say(f"pretraining already finished: {step} steps in {state['path']}; nothing to do")
             return 0
     else:
-        refuse_to_overwrite_history(ckpt_dir, log.path, ps.batches_per_epoch, ps.epoch,
-                                    cfg.path(cfg.from_cp) if cfg.from_cp else None, cfg.config_file)
+        refuse_to_overwrite_history(ckpt_dir, log.path, ps.batches_per_epoch,
+                                    cfg.path(cfg.from_cp) if cfg.from_cp else None)
         if cfg.from_cp:
             source = cfg.path(cfg.from_cp)
             if source.is_dir():
@@ -314,7 +317,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
     def state_dict() -> dict:
         return {"model_state_dict": model.state_dict(), "optimizer_state_dict": optimizer.state_dict(),
                 "scheduler_state_dict": scheduler.state_dict(), "scaler_state_dict": scaler.state_dict(),
-                "rng_state": rng_state(), "epoch": step // ps.batches_per_epoch, "step": step,
+                "rng_state": rng_state(), "epoch": max(step - 1, 0) // ps.batches_per_epoch, "step": step,
                 "inst_pass": step * ps.batch_size, "config": cfg.to_dict(), "data": data_id}
 
     def queue_step(done: int) -> QueuedStep:

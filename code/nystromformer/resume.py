@@ -108,20 +108,27 @@ def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path
             f"model folder with \"from_cp\" pointing at this checkpoint")
 
 
-def refuse_to_overwrite_history(ckpt_dir, log_path, batches_per_epoch: int, epochs: int,
-                                from_cp=None, config_file="config.json") -> None:
+def check_from_cp_location(ckpt_dir, from_cp, epochs: int, config_file="config.json") -> None:
+    """``from_cp`` may lie in the run's own checkpoint folder only under a name the run neither writes nor
+    resumes from (checked before any resume: a .cp there would be resumed from, not warm-started from)."""
+    source = from_cp.resolve()
+    if source.is_file() and source.parent == ckpt_dir.resolve():
+        m = checkpoint.EPOCH_MODEL.match(source.name)
+        resumable = checkpoint.STEP_CP.match(source.name) or checkpoint.EPOCH_CP.match(source.name)
+        if resumable or (m and int(m.group(1)) < epochs):
+            why = ("a .cp there is taken for this run's own checkpoint and resumed from, not warm-started from"
+                   if resumable else "the run writes its own checkpoints there and would overwrite it")
+            raise ConfigError(
+                f"{config_file}: from_cp: {from_cp} lies in this run's checkpoint folder ({why}); move it out of "
+                f"{ckpt_dir} (or copy it to another name) and point from_cp there")
+
+
+def refuse_to_overwrite_history(ckpt_dir, log_path, batches_per_epoch: int, from_cp=None) -> None:
     """With no resumable checkpoint, a fresh start would truncate the log and overwrite the checkpoints of an
     earlier run: refuse if the folder holds any. A log of steps never checkpointed (a hard kill in the first
     epoch) is no history: the fresh start redoes exactly those steps. Nor is ``from_cp``'s file, put there to
-    warm-start from, unless this run would overwrite it."""
+    warm-start from (``check_from_cp_location`` has made sure the run will not overwrite it)."""
     source = from_cp.resolve() if from_cp is not None else None
-    if source is not None and source.is_file() and source.parent == ckpt_dir.resolve():
-        m = checkpoint.EPOCH_CP.match(source.name) or checkpoint.EPOCH_MODEL.match(source.name)
-        if checkpoint.STEP_CP.match(source.name) or (m and int(m.group(1)) < epochs):
-            raise ConfigError(
-                f"{config_file}: from_cp: {from_cp} lies in this run's checkpoint folder, where the run writes "
-                f"its own checkpoints and would overwrite it; move it out of {ckpt_dir} (or copy it to another "
-                f"name) and point from_cp there")
     names = sorted(p.name for p in ckpt_dir.iterdir()
                    if (checkpoint.EPOCH_CP.match(p.name) or checkpoint.EPOCH_MODEL.match(p.name)
                        or checkpoint.STEP_CP.match(p.name)) and p.resolve() != source)

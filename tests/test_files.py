@@ -1,0 +1,103 @@
+"""The files the pipeline writes and reads back: atomic writes, checkpoints (no unpickling, the epoch's .cp written
+last), shards (dtype by vocabulary size, ids below it, rows as the index lists them)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from nystromformer import atomic, checkpoint, shards
+from nystromformer.shards import ShardedSequences, ShardError
+
+from helpers import SPECIAL, write_synthetic_data
+
+
+class NotATensor:
+    """Any class: a pickle of it would run code on load."""
+
+
+def test_a_failed_write_leaves_the_previous_file_whole_and_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "cp-0000.model"
+    atomic.torch_save(path, {"model_state_dict": {"w": torch.ones(3)}})
+    before = path.read_bytes()
+
+    def torch_save_then_fail(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", torch_save_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        atomic.torch_save(path, {"model_state_dict": {"w": torch.zeros(3)}})
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["cp-0000.model"]
+
+
+def test_a_write_reaches_the_disk_before_it_replaces_the_old_file(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.basename(os.readlink(
+        f"/proc/self/fd/{fd}")))), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", os.path.basename(dst))),
+                                                         replace(src, dst))[1])
+    atomic.write_json(tmp_path / "result.json", {"score": 1})
+    [(_, temporary), replaced, (_, folder)] = events  # the file, its rename, then the folder holding the rename
+    assert temporary.startswith(".result.json.") and replaced == ("replace", "result.json")
+    assert folder == tmp_path.name
+    assert json.loads((tmp_path / "result.json").read_text()) == {"score": 1}
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_not_unpickled(tmp_path):
+    path = tmp_path / "cp-0000.model"
+    torch.save({"model_state_dict": {"w": torch.ones(1)}, "extra": NotATensor()}, path)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"cp-0000.model: unreadable checkpoint: it holds a Python object \(test_files.NotATensor\)"):
+        checkpoint.load(path)
+
+
+def test_a_file_torch_wrote_that_is_no_checkpoint_is_named_as_such(tmp_path):
+    torch.save({"weights": torch.ones(1)}, tmp_path / "other.pt")
+    with pytest.raises(checkpoint.CheckpointError, match=r"other.pt: not a checkpoint of this project"):
+        checkpoint.load(tmp_path / "other.pt")
+
+
+def test_an_epoch_writes_its_weights_before_its_resume_file_and_retires_older_step_files(tmp_path, monkeypatch):
+    # The .cp marks the epoch complete: written last, a crash in between leaves no .cp without its .model.
+    (tmp_path / "step-00000003.cp").write_bytes(b"x")  # from a stop earlier in this epoch
+    (tmp_path / "step-00000009.cp").write_bytes(b"x")  # a later one (kept: not older than this checkpoint)
+    written = []
+    save = atomic.torch_save
+    monkeypatch.setattr(atomic, "torch_save", lambda path, obj: (written.append(path.name), save(path, obj))[1])
+    state = {"model_state_dict": {"w": torch.ones(1)}, "step": 4, "config": None}
+    checkpoint.save_epoch(tmp_path, 0, state)
+    assert written == ["cp-0000.model", "cp-0000.cp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cp-0000.cp", "cp-0000.model", "step-00000009.cp"]
+    assert checkpoint.load(tmp_path / "cp-0000.model")["epoch"] == 0
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(50265, np.uint16), (65536, np.uint16), (65537, np.uint32)])
+def test_shards_take_the_smallest_dtype_that_holds_every_id(tmp_path, vocab_size, dtype):
+    meta = shards.make_meta(4, vocab_size, "test", SPECIAL)
+    assert np.dtype(meta["dtype"]) == dtype
+    top = np.array([[0, 1, vocab_size - 1, 2]])
+    shards.write_meta(tmp_path, meta)
+    shards.write_shard(tmp_path / "train-00000.npy", top, meta)
+    shards.write_split_index(tmp_path, "train", ["train-00000.npy"])
+    assert ShardedSequences(tmp_path, "train").rows([0]).tolist() == top.tolist()  # the top id is not wrapped
+
+
+@pytest.mark.parametrize("bad_id", [64, -1])
+def test_a_shard_with_an_id_outside_the_vocabulary_is_not_written(tmp_path, bad_id):
+    meta = shards.make_meta(4, 64, "test", SPECIAL)
+    with pytest.raises(ShardError, match=r"train-00000.npy: token ids must lie in \[0, 64\)"):
+        shards.write_shard(tmp_path / "train-00000.npy", np.array([[0, 5, bad_id, 2]]), meta)
+    assert not (tmp_path / "train-00000.npy").exists()
+
+
+def test_a_shard_whose_rows_differ_from_its_index_entry_is_an_error_naming_both(tmp_path):
+    write_synthetic_data(tmp_path, num_train=200, shard_size=100)
+    index = json.loads((tmp_path / "train.json").read_text())
+    index["shards"][1]["num_sequences"] = 90  # e.g. a shard rebuilt without its index
+    (tmp_path / "train.json").write_text(json.dumps(index))
+    with pytest.raises(ShardError, match=r"train-00001.npy: shape \(100, 32\) does not match .*train.json "
+                                         r"\(90 x 32\)"):
+        ShardedSequences(tmp_path, "train")
