@@ -84,6 +84,15 @@ def test_exact_init_is_per_matrix_while_original_init_depends_on_batch_mates():
     assert not torch.allclose(iterative_pinv(batch, 2, "original")[0], iterative_pinv(flat, 2, "original"))
 
 
+def test_the_initial_guesses_are_the_transpose_over_the_papers_norms():
+    from nystromformer.attention.nystrom import pinv_init
+    a = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # not stochastic
+    norm_1, norm_inf = (torch.linalg.matrix_norm(a, ord) for ord in (1, float("inf")))
+    assert torch.allclose(pinv_init(a, "exact"), a.mT / (norm_1 * norm_inf)[..., None, None], rtol=1e-14)
+    # the authors' code: the largest column sum of the whole batch (‖A‖∞ = 1 for a softmax)
+    assert torch.allclose(pinv_init(a, "original"), a.mT / a.sum(dim=-2).max(), rtol=1e-14)
+
+
 def test_more_pinv_iterations_converge_further():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 2, 16, 8, generator=g, dtype=torch.float64)

@@ -285,3 +285,47 @@ def test_reformer_buckets_are_the_argmax_over_both_signs_including_ties():
         r = torch.randn(4, 3, 50, 8, generator=g)
         r = r.round() if rounded else r
         assert torch.equal(lsh_buckets(r), torch.cat([r, -r], dim=-1).argmax(dim=-1))
+
+
+def naive_reformer(q, v, mask, bucket_size, rounds, rotation):
+    """Reformer's definition with loops, for a given rotation (h, d, rounds, nb/2): per round, positions sorted by
+    (bucket, position; padding last) and cut into chunks of c; each chunk attends to itself and the chunk before
+    it in the sequence of all rounds' chunks (wrapping round); self only when nothing else; rounds weighted by the
+    softmax of their log-sum-exps."""
+    b, h, n, d = q.shape
+    c, nb = bucket_size, 2 * rotation.shape[-1]
+    keys = torch.nn.functional.normalize(q, dim=-1) / math.sqrt(d)
+    out = torch.zeros_like(v)
+    for bi in range(b):
+        for hi in range(h):
+            chunks = []  # (round, positions) in the order of the concatenated rounds
+            for r in range(rounds):
+                x = q[bi, hi] @ rotation[hi, :, r]
+                buckets = [int(torch.cat([x[i], -x[i]]).argmax()) if mask[bi, i] else nb for i in range(n)]
+                order = sorted(range(n), key=lambda i: (buckets[i], i))
+                chunks += [(r, order[j:j + c]) for j in range(0, n, c)]
+            per_round = {i: [] for i in range(n)}
+            for j, (r, members) in enumerate(chunks):
+                seen = members + (chunks[j - 1][1] if len(chunks) > 1 else [])
+                for i in members:
+                    scores = torch.stack([torch.tensor(-1e5, dtype=q.dtype) if key == i
+                                          else q[bi, hi, i] @ keys[bi, hi, key] for key in seen])
+                    scores = scores.masked_fill(~mask[bi, seen].bool(), float("-inf"))
+                    per_round[i].append((torch.logsumexp(scores, 0), torch.softmax(scores, 0) @ v[bi, hi, seen]))
+            for i in range(n):
+                lse = torch.stack([l for l, _ in per_round[i]])
+                out[bi, hi, i] = sum(w * o for w, (_, o) in zip(torch.softmax(lse, 0), per_round[i]))
+    return out
+
+
+def test_reformer_with_several_chunks_and_hashes_is_its_definition():
+    q, k, v = qkv(16)
+    mask = padded_mask(16, real=(16, 11))
+    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    torch.manual_seed(5)
+    out = attn(q, k, v, mask)
+    torch.manual_seed(5)  # the same rotation: (h, d, rounds, nb/2), nb = 4 chunks per round
+    rotation = torch.randn(H, D, 2, 2, dtype=q.dtype)
+    expected = naive_reformer(q, v, mask, 4, 2, rotation)
+    real = mask.bool()
+    torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10, atol=1e-12)

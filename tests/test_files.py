@@ -49,8 +49,8 @@ def test_a_write_reaches_the_disk_before_it_replaces_the_old_file(tmp_path, monk
 def test_a_checkpoint_holding_a_pickled_object_is_refused_not_unpickled(tmp_path):
     path = tmp_path / "cp-0000.model"
     torch.save({"model_state_dict": {"w": torch.ones(1)}, "extra": NotATensor()}, path)
-    with pytest.raises(checkpoint.CheckpointError,
-                       match=r"cp-0000.model: unreadable checkpoint: it holds a Python object \(test_files.NotATensor\)"):
+    message = r"cp-0000.model: unreadable checkpoint: it holds a Python object \(test_files.NotATensor\)"
+    with pytest.raises(checkpoint.CheckpointError, match=message):
         checkpoint.load(path)
 
 

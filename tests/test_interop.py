@@ -251,6 +251,7 @@ def test_released_config_with_landmarks_equal_to_segment_length_is_detected(tmp_
     (dict(num_landmarks=6), "model.num_landmarks"),
     (dict(inv_coeff_init_option="exact"), "model.inv_coeff_init_option"),
     (dict(pinv_iterations=8), "model.pinv_iterations"),
+    (dict(pre_layer_norm=True), "model.pre_layer_norm"),  # the LRA model: transformers' is post-LayerNorm
 ])
 def test_export_refuses_options_transformers_computes_differently(tmp_path, capsys, overrides, option):
     model = ours(**overrides)
@@ -488,3 +489,21 @@ def test_export_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
         assert main(["export-hf", "--model-dir", str(folder), "--output", str(tmp_path / "hf"), *flags]) == 2
         assert says in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_shorter_max_seq_len_on_import_keeps_the_first_positions_and_computes_roberta_on_short_inputs(tmp_path):
+    roberta, src = hf_roberta(tmp_path)
+    import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax", "max_seq_len": SEQ // 2}, log=lambda s: None)
+    model = load_imported(tmp_path / "ours")
+    table = model.encoder.embeddings.position_embeddings.weight
+    assert torch.equal(table, roberta.roberta.embeddings.position_embeddings.weight[:SEQ // 2 + 2])
+    ids = token_ids(n=SEQ // 2)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), roberta(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_the_exported_config_carries_the_layer_norm_epsilon_and_the_datas_special_tokens():
+    from nystromformer.interop import hf_config_kwargs
+    kwargs = hf_config_kwargs(model_config(layer_norm_eps=1e-7, pad_token_id=5), {"bos": 3, "eos": 4, "pad": 5})
+    assert (kwargs["layer_norm_eps"], kwargs["bos_token_id"], kwargs["eos_token_id"], kwargs["pad_token_id"]) == \
+        (1e-7, 3, 4, 5)

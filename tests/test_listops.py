@@ -1,9 +1,11 @@
 """LRA ListOps: generator vs an independent evaluator, limits, the TSV loader, and a tiny learning run."""
 import argparse
 import csv
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from nystromformer.cli import main
 from nystromformer.lra import listops
@@ -152,6 +154,7 @@ def test_at_lra_settings_no_tree_is_abandoned_so_the_data_is_that_of_full_genera
     ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAXX 1 2 ]\t2\n", r"x.tsv:3: unknown token\(s\) '\[MAXX'"),
     ("Source\tTarget\n[MAX 1 2 ]\t2\textra\n", r"x.tsv:2: expected 2 tab-separated columns, got 3"),
     ("Source\tTarget\n[MAX 1 2 ]\t2\n[MAX 1 \udcff ]\t2\n", r"x.tsv:3: not UTF-8"),
+    ("Source\tTarget\n[MAX 1 2 ]\t10\n", r"x.tsv:2: .*10"),
 ])
 def test_a_listops_file_row_that_is_not_listops_is_an_error_naming_the_line(tmp_path, content, message):
     (tmp_path / "x.tsv").write_bytes(content.encode("utf-8", "surrogateescape"))
@@ -171,6 +174,10 @@ def test_lra_default_model_settings():
             s.eval_every, s.max_length) == (2, 64, 2, 128, 32, 1e-4, 1000, 5000, 50, 2000)
     cfg = model_config("nystrom", s)
     assert (cfg.num_landmarks, cfg.conv_kernel_size, cfg.head_dim, cfg.max_seq_len) == (64, 35, 32, 2000)
+    assert cfg.pre_layer_norm and cfg.pad_token_id == listops.PAD_ID
+    # --set wins over the LRA settings of the attention type
+    cfg = model_config("nystrom", s, {"num_landmarks": 32, "conv_kernel_size": 3})
+    assert (cfg.num_landmarks, cfg.conv_kernel_size) == (32, 3)
 
 
 def test_tiny_listops_run_beats_majority_class():
@@ -252,3 +259,87 @@ def test_user_mistakes_are_one_error_line_before_any_training(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("error: ") and named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+def test_every_operator_takes_two_to_max_args_arguments_and_no_tree_repeats_across_splits():
+    # 4 operators x 10 x 10 digit pairs: 400 distinct trees, so 250 draws would repeat some without the check.
+    splits = listops.generate_splits({"train": 150, "dev": 50, "test": 50}, seed=0, max_depth=2, max_args=2,
+                                     min_length=4, max_length=4)
+    sources = [src for rows in splits.values() for src, _ in rows]
+    assert len(set(sources)) == len(sources) == 250
+    for source, _ in listops.generate(200, seed=1, max_depth=4, max_args=5, min_length=1, max_length=200):
+        counts = []  # arguments of each open operator
+        for token in source.split():
+            if token == listops.END:
+                assert 2 <= counts.pop() <= 5, source
+            else:
+                if counts:
+                    counts[-1] += 1
+                if token.startswith("["):
+                    counts.append(0)
+
+
+def test_a_long_sequence_keeps_its_head_when_truncated_as_lra_does():
+    assert listops.encode("[MAX 1 2 ]".split(), 2) == [listops.TOKEN_ID["[MAX"], listops.TOKEN_ID["1"]]
+
+
+def tiny_splits():
+    raw = listops.generate_splits({"train": 64, "dev": 16, "test": 16}, seed=0, max_depth=2, max_args=3,
+                                  min_length=1, max_length=20)
+    return encode_splits(raw, 24)
+
+
+TINY = dict(dim=16, num_head=2, ffn_dim=16, batch_size=8, warmup=1, max_length=24)
+
+
+def test_the_test_accuracy_is_that_of_the_best_dev_checkpoint_not_the_last(monkeypatch):
+    from nystromformer.lra import train as lra_train
+    splits, seen, dev_scores = tiny_splits(), [], [0.9, 0.1]  # step 2 is the best, step 4 (the last) worse
+    real = lra_train.accuracy
+
+    def accuracy(model, data, *args, **kwargs):
+        seen.append(({k: t.clone() for k, t in model.state_dict().items()}, data is splits["dev"]))
+        real(model, data, *args, **kwargs)
+        return dev_scores.pop(0) if data is splits["dev"] else 0.5
+
+    monkeypatch.setattr(lra_train, "accuracy", accuracy)
+    result = train_one("softmax", splits, RunSettings(**TINY, steps=4, eval_every=2, learning_rate=1e-2))
+    assert result["best_step"] == 2 and result["best_dev_accuracy"] == 0.9
+    [(at_2, _), (at_4, _), (tested, is_dev)] = seen
+    assert not is_dev and all(torch.equal(tested[k], t) for k, t in at_2.items())
+    assert any(not torch.equal(at_4[k], t) for k, t in at_2.items())
+
+
+def test_the_last_step_is_evaluated_when_steps_is_not_a_multiple_of_eval_every():
+    lines = []
+    train_one("softmax", tiny_splits(), RunSettings(**TINY, steps=3, eval_every=2), log=lines.append)
+    assert [json.loads(line)["step"] for line in lines] == [2, 3]
+
+
+def test_a_seed_fixes_the_whole_run_and_another_seed_gives_another():
+    splits = tiny_splits()
+    runs = [train_one("softmax", splits, RunSettings(**TINY, steps=4, eval_every=2, seed=seed)) for seed in (0, 0, 1)]
+    same = lambda a, b: {k: v for k, v in a.items() if k != "train_seconds"} == \
+        {k: v for k, v in b.items() if k != "train_seconds"}  # noqa: E731
+    assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
+
+
+def test_a_rows_prediction_does_not_depend_on_the_padding_its_batch_needs():
+    from nystromformer.lra.train import ListOpsClassifier, batches
+    torch.manual_seed(0)
+    model = ListOpsClassifier(model_config("softmax", RunSettings(**TINY, steps=2, dropout=0.0)), hidden=16).eval()
+    short, long = (listops.encode(s.split(), 24) for s in ("[MAX 1 2 ]", "[MIN 3 [SM 4 5 6 ] 7 8 ]"))
+    [(ids, mask, _)] = batches([(short, 0), (long, 0)], 2, shuffle=False)
+    assert torch.equal(mask.bool(), ids != listops.PAD_ID)
+    [(alone_ids, alone_mask, _)] = batches([(short, 0)], 1, shuffle=False)
+    with torch.no_grad():
+        assert torch.allclose(model(ids, mask)[0], model(alone_ids, alone_mask)[0], atol=1e-5)
+
+
+def test_majority_accuracy_takes_the_class_from_training_and_the_table_reports_the_sample_deviation(tmp_path):
+    from nystromformer.lra.train import write_results
+    train, test = [([1], 3)] * 3 + [([1], 4)], [([1], 4)] * 3 + [([1], 3)]
+    assert majority_accuracy(train, test) == 0.25
+    runs = [{"attn_type": "softmax", "seed": seed, "test_accuracy": acc, "best_dev_accuracy": acc, "best_step": 1,
+             "steps": 1, "train_seconds": 0, "params": 1} for seed, acc in ((0, 0.5), (1, 0.7))]
+    write_results(runs, tmp_path, "t", RunSettings(), 0.1)
+    assert "| softmax | 2 | 60.00 ± 14.14 | 60.00 ± 14.14 |" in (tmp_path / "listops_results.md").read_text()

@@ -25,6 +25,12 @@ def test_masked_lm_loss_equals_cross_entropy_over_full_logits_at_masked_position
     full = F.cross_entropy(model.logits(ids).transpose(1, 2), labels, ignore_index=IGNORE_INDEX)
     assert torch.allclose(out.loss, full, atol=1e-5)
     assert out.num_masked.item() == (labels != IGNORE_INDEX).sum().item()
+    # The dev accuracy counts the masked positions whose most likely token is the label; make some right.
+    predicted = model.logits(ids).argmax(-1)
+    labels[0, ::5] = predicted[0, ::5]
+    chosen = labels != IGNORE_INDEX
+    correct = (predicted[chosen] == labels[chosen]).sum().item()
+    assert 7 <= correct < chosen.sum().item() and model(ids, labels).num_correct.item() == correct
 
 
 def test_masked_positions_found_by_the_caller_give_the_same_loss_and_gradients_as_the_labels_mask():
@@ -138,6 +144,10 @@ def test_token_types_and_lengths_up_to_max_seq_len():
 def test_pre_layer_norm_blocks_normalise_before_each_sublayer_and_at_the_end():
     torch.manual_seed(4)
     model = NystromformerForSequenceClassification(model_config(pre_layer_norm=True, num_layers=1), num_labels=2).eval()
+    with torch.no_grad():  # LayerNorms away from their identity init, so that norm1 and norm2 differ
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
     enc, block = model.encoder, model.encoder.layers[0]
     ids = torch.randint(5, 64, (2, 16))
     mask = torch.ones_like(ids)
@@ -147,3 +157,16 @@ def test_pre_layer_norm_blocks_normalise_before_each_sublayer_and_at_the_end():
     assert torch.allclose(enc(ids), enc.final_norm(x), atol=1e-6)
     post = NystromformerForSequenceClassification(model_config(num_layers=1), num_labels=2)
     assert post.encoder.final_norm is None
+
+
+def test_an_embedding_narrower_than_the_transformer_is_projected_up_and_trained():
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config(embedding_dim=16))
+    ids = torch.randint(5, 64, (2, 32))
+    labels = torch.where(torch.rand(2, 32) < 0.3, ids, torch.full_like(ids, IGNORE_INDEX))
+    model(ids, labels).loss.backward()
+    projection = model.encoder.embedding_projection
+    assert projection.weight.shape == (32, 16) and projection.weight.grad.abs().sum() > 0
+    # The tied decoder works in the embedding width: the MLM head projects back down.
+    assert model.encoder.embeddings.word_embeddings.weight.shape == (64, 16)
+    assert model.mlm_head.dense.weight.shape == (16, 32)

@@ -186,6 +186,22 @@ def test_sdpa_default_scale_with_unscaled_landmarks_equals_scaled_landmarks():
     assert rel(out1, ref1) < 1e-13
 
 
+def test_the_landmark_pieces_run_in_fp32_whatever_the_inputs_precision():
+    # bf16 (or fp16) landmarks go into the 64x64 iteration and the product with W in fp32: only W's result is
+    # rounded back (the paper's code runs attention in fp32; in bf16 the iteration loses its accuracy).
+    g = torch.Generator().manual_seed(2)
+    q_land, k_land = (torch.randn(2, 3, 8, 16, generator=g).bfloat16() for _ in range(2))
+    z = nystrom_fast.landmark_pinv(q_land, k_land, 6, "original", use_triton=False, pinv_precision="ieee")
+    assert z.dtype == torch.float32
+    expected = nystrom_fast.landmark_pinv(q_land.float(), k_land.float(), 6, "original", use_triton=False,
+                                          pinv_precision="ieee")
+    assert torch.equal(z, expected)
+    w = torch.randn(2, 3, 8, 16, generator=g).bfloat16()
+    zw = nystrom_fast.times_w(z, w)
+    assert zw.dtype == torch.bfloat16 and torch.equal(zw, (z @ w.float()).bfloat16())
+    assert not torch.equal(zw, z.bfloat16() @ w)  # what a product in bf16 would give
+
+
 @pytest.mark.parametrize("init", ["original", "exact"])
 def test_pinv_iteration_is_the_reference_iteration(init):
     g = torch.Generator().manual_seed(1)

@@ -623,6 +623,34 @@ def test_with_fp16_a_dev_evaluation_that_overflows_is_measured_again_in_fp32(tmp
     assert "(in fp32: fp16 overflowed)" in capsys.readouterr().out
 
 
+def test_with_fp16_a_dev_evaluation_that_does_not_overflow_is_measured_once(tmp_path, data, fp16_on_cpu,
+                                                                            monkeypatch, capsys):
+    from nystromformer import mlm
+    calls, evaluate = [], mlm.evaluate
+    monkeypatch.setattr(mlm, "evaluate", lambda *args: (calls.append(args[7]), evaluate(*args))[1])
+    assert run(model_dir(tmp_path, pretraining_setting={"epoch": 1})) == 0
+    assert calls == [torch.float16] and "in fp32" not in capsys.readouterr().out
+
+
+def test_the_shuffled_order_is_a_new_permutation_each_pass_and_any_position_can_be_resumed_from():
+    from nystromformer.mlm import SampleOrder
+    stream = SampleOrder(10, seed=0).indices(0, 30).tolist()
+    passes = [stream[i:i + 10] for i in (0, 10, 20)]
+    assert all(sorted(p) == list(range(10)) for p in passes) and len({tuple(p) for p in passes}) == 3
+    assert SampleOrder(10, seed=0).indices(15, 10).tolist() == stream[15:25]
+    assert SampleOrder(10, seed=1).indices(0, 10).tolist() != passes[0]
+
+
+def test_a_dev_split_smaller_than_the_dev_batches_asked_for_is_evaluated_whole(tmp_path, data):
+    from nystromformer.mlm import evaluate
+    from nystromformer.shards import ShardedSequences
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config()).model)
+    dev = ShardedSequences(data, "dev")
+    whole = evaluate(model, dev, len(dev), 8, 0, 0.15, torch.device("cpu"))
+    assert evaluate(model, dev, 100 * len(dev), 8, 0, 0.15, torch.device("cpu")) == whole
+
+
 def test_a_second_run_on_a_busy_model_folder_is_refused_and_leaves_the_log_alone(tmp_path, data):
     folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 2000, "epoch": 1})
     proc = start_pretraining(folder)
@@ -876,8 +904,12 @@ def test_the_rate_rises_linearly_over_the_warm_up_then_falls_linearly(tmp_path):
 
 def test_max_grad_norm_clips_every_step(tmp_path, data, monkeypatch):
     clipped, clip = [], torch.nn.utils.clip_grad_norm_
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
-                        lambda params, max_norm, *a, **k: (clipped.append(max_norm), clip(params, max_norm, *a, **k))[1])
+
+    def recorded(params, max_norm, *args, **kwargs):
+        clipped.append(max_norm)
+        return clip(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recorded)
     folder = model_dir(tmp_path, pretraining_setting={"max_grad_norm": 0.5, "epoch": 1,
                                                       "validate_batches_per_epoch": 0})
     assert run(folder) == 0
