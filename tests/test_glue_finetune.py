@@ -731,3 +731,17 @@ def test_the_sweep_average_is_over_the_best_run_of_each_task(tmp_path):
     summary = write_summary(tmp_path, runs, log=quiet)
     assert {t: r["score"] for t, r in summary["best_per_task"].items()} == {"MRPC": 0.9, "RTE": 0.6}
     assert summary["average"] == pytest.approx(0.75)  # not 0.675, the mean of every run
+
+
+def test_submission_rows_carry_the_test_files_own_indices(shared_dir, tmp_path):
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES / "MRPC", glue / "MRPC")
+    test_file = glue / "MRPC" / "test.tsv"
+    header, *rows = test_file.read_text().splitlines()
+    test_file.write_text("\n".join([header] + [f"{10 * (i + 1)}\t{row.split(chr(9), 1)[1]}"
+                                               for i, row in enumerate(rows)]) + "\n")
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    finetune(model_dir, settings, log=quiet)
+    submitted = read_submission(run_dir(model_dir / "model", settings) / "submission" / "MRPC.tsv")
+    assert [index for index, _ in submitted] == ["10", "20"]

@@ -933,3 +933,14 @@ def test_a_dev_loss_that_is_not_finite_stops_the_run_as_a_divergence(tmp_path, d
     strict = dict(parse_constant=lambda c: pytest.fail(f"{c} in the JSON log"))
     log = (folder / "model" / "pretrain_output.log").read_text().splitlines()
     assert not [e for e in (json.loads(line, **strict) for line in log) if e["type"] == "dev"]
+
+
+def test_a_from_cp_whose_weights_have_other_shapes_is_an_error_naming_the_weight_and_both_shapes(tmp_path, data):
+    source = model_dir(tmp_path, "source", model={"transformer_hidden_dim": 48},
+                       pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    assert run(source) == 0
+    folder = model_dir(tmp_path, from_cp="../source/model/cp-0000.model")
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"run/config.json: .*cp-0000.model: encoder.layers.0.ffn.*has shape \(48, 32\), the "
+                             r"model expects \(64, 32\).*\(from_cp: "):
+        run(folder)
