@@ -291,6 +291,18 @@ def test_stories_and_realnews_split_lines_only_at_newlines_like_the_other_reader
     assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == [expected]
 
 
+def test_lines_lose_their_indentation_and_trailing_spaces_but_keep_their_breaks(tmp_path):
+    # (the tokenizer would otherwise spend ids on layout: "  indented" encodes differently from "indented")
+    text = "  indented first line  \n\tsecond line\t\n"
+    (tmp_path / "story.txt").write_text(text)
+    (tmp_path / "news.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "books.txt").write_text(text)
+    expected = ["indented first line\nsecond line"]
+    assert list(stories_documents([tmp_path / "story.txt"], SkipLog())) == expected
+    assert list(realnews_documents([tmp_path / "news.jsonl"], SkipLog())) == expected
+    assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == expected
+
+
 def test_data_commands_are_registered_in_the_cli():
     from nystromformer import cli
     assert "nystromformer.data.commands" in cli.COMMAND_MODULES
