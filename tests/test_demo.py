@@ -38,6 +38,31 @@ def test_demo_runs_the_whole_pipeline_and_learns(tmp_path):
     assert warm and warm[0]["checkpoint"].endswith("cp-0009.model")
     assert (out / "loss-curves.png").stat().st_size > 10_000
     assert (out / "tiny-128" / "model" / "glue").is_dir()
+    check_summary_against_its_sources(out, summary, baseline, majority)
+
+
+def check_summary_against_its_sources(out, summary, baseline, majority):
+    """Each figure of summary.md is the one its source holds, computed again here."""
+    import csv
+    from collections import Counter
+
+    import numpy as np
+    for name in ("tiny-128", "tiny-512"):
+        for e in map(json.loads, (out / name / "model" / "validation_output.log").read_text().splitlines()):
+            assert f"| {name} | {e['checkpoint']} | {e['loss']:.3f} | {e['mlm_accu']:.3f} |" in summary, e
+    data = out / "data-128"
+    meta = json.loads((data / "meta.json").read_text())
+    ids = np.concatenate([np.load(data / s["file"]).ravel()
+                          for s in json.loads((data / "dev.json").read_text())["shards"]])
+    words = ids[~np.isin(ids, list(meta["special_tokens"].values()))]
+    assert baseline == pytest.approx(Counter(words.tolist()).most_common(1)[0][1] / len(words), abs=5e-4)
+    with open(out / "glue" / "SST-2" / "dev.tsv", newline="") as f:
+        labels = [row["label"] for row in csv.DictReader(f, delimiter="\t")]
+    assert majority == pytest.approx(Counter(labels).most_common(1)[0][1] / len(labels), abs=5e-4)
+    # The folder is marked as the demo's, so the next `make demo` may replace it (and only such a folder).
+    from nystromformer import demo
+    assert (out / demo.MARKER).is_file()
+    demo.check_output(out)
 
 
 def test_demo_refuses_to_delete_a_folder_it_did_not_write(tmp_path):

@@ -101,3 +101,18 @@ def test_a_shard_whose_rows_differ_from_its_index_entry_is_an_error_naming_both(
     with pytest.raises(ShardError, match=r"train-00001.npy: shape \(100, 32\) does not match .*train.json "
                                          r"\(90 x 32\)"):
         ShardedSequences(tmp_path, "train")
+
+
+def test_rewriting_the_training_log_on_resume_is_atomic(tmp_path, monkeypatch):
+    from nystromformer import jsonlog
+    log = tmp_path / "pretrain_output.log"
+    log.write_text("".join(json.dumps({"type": "train", "step": s}) + "\n" for s in range(1, 5)))
+    before = log.read_text()
+
+    def disk_full(path, text):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic, "write_text", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        jsonlog.JsonLog(log).truncate_after(2)
+    assert log.read_text() == before

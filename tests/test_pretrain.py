@@ -598,7 +598,9 @@ def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_ru
                                                       "validate_batches_per_epoch": 0},
                        gpu_setting={"inst_per_gpu": 16})
     assert run(folder) == 0
-    entries = [json.loads(line) for line in (folder / "model" / "pretrain_output.log").read_text().splitlines()]
+    strict = dict(parse_constant=lambda c: pytest.fail(f"{c} in the JSON log"))  # jq, JavaScript: no NaN
+    entries = [json.loads(line, **strict)
+               for line in (folder / "model" / "pretrain_output.log").read_text().splitlines()]
     assert [(e["type"], e["step"]) for e in entries if e["type"] in ("train", "skipped")] == [
         ("train", 1), ("train", 2), ("skipped", 3), ("train", 4), ("train", 5), ("train", 6)]
     state = checkpoint.load(folder / "model" / "cp-0001.cp")
@@ -764,9 +766,11 @@ def test_plot_reports_a_missing_log_on_stderr(tmp_path, capsys):
     assert out == "" and "error:" in err and "pretrain_output.log does not exist" in err
 
 
-@pytest.mark.parametrize("output", ["curves", "curves.xyz", ".", "config.json/curves.png"])  # (.pdf, .svg... work)
+@pytest.mark.parametrize("output", ["curves", "curves.xyz", ".", "config.json/curves.png", "a-folder.png"])
 def test_plot_refuses_an_output_that_is_not_an_image_file_it_can_write(tmp_path, capsys, output):
-    folder = write_log(model_dir(tmp_path))
+    folder = write_log(model_dir(tmp_path))  # (.pdf, .svg and the other formats matplotlib writes work)
+    if output == "a-folder.png":
+        (folder / output).mkdir()
     assert main(["plot", "--model-dir", str(folder), "--output", str(folder / output)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --output {folder / output}") and len(err.splitlines()) == 1, err
@@ -944,3 +948,96 @@ def test_a_from_cp_whose_weights_have_other_shapes_is_an_error_naming_the_weight
                        match=r"run/config.json: .*cp-0000.model: encoder.layers.0.ffn.*has shape \(48, 32\), the "
                              r"model expects \(64, 32\).*\(from_cp: "):
         run(folder)
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_trains_every_sequence(tmp_path, data):
+    settings = dict(model={"dropout_prob": 0.0}, pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    divides, leaves_a_remainder = model_dir(tmp_path, "by-8", **settings), model_dir(tmp_path, "by-5", **settings,
+                                                                                     gpu_setting={"inst_per_gpu": 5})
+    assert run(divides) == 0 and run(leaves_a_remainder) == 0  # 16 = 5 + 5 + 5 + 1
+    assert [loss for _, loss in losses(leaves_a_remainder)] == pytest.approx([loss for _, loss in losses(divides)],
+                                                                             abs=1e-5)
+
+
+def test_a_first_ctrl_c_asks_to_stop_a_second_stops_at_once_and_the_handlers_are_restored_after():
+    from nystromformer.pretrain import PreemptionFlag
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with PreemptionFlag() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_repeating_a_stop_at_step_trains_and_logs_nothing_more(tmp_path, data):
+    folder = model_dir(tmp_path)
+    assert run(folder, stop_at_step=5) == PREEMPTED_EXIT_CODE
+    log = (folder / "model" / "pretrain_output.log").read_text()
+    assert json.loads(log.splitlines()[-1]) == {"type": "preempted", "step": 5,
+                                               "checkpoint": str(folder / "model" / "step-00000005.cp")}
+    assert run(folder, stop_at_step=5) == PREEMPTED_EXIT_CODE
+    assert (folder / "model" / "pretrain_output.log").read_text() == log
+
+
+def test_the_log_counts_sequences_seen_and_dates_dev_points_by_epoch_and_step(tmp_path, data):
+    folder = model_dir(tmp_path)
+    assert run(folder) == 0
+    log = folder / "model" / "pretrain_output.log"
+    assert [e["inst_pass"] for e in read_log(log)] == [16 * s for s in range(1, 13)]
+    assert [(e["epoch"], e["step"]) for e in read_log(log, "dev")] == [(0, 4), (1, 8), (2, 12)]
+
+
+def test_a_divergence_is_one_error_line_naming_the_newest_checkpoint_from_before_it(tmp_path, data, capsys):
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 1, "epoch": 6})
+    assert run(folder, stop_at_step=3) == PREEMPTED_EXIT_CODE
+    cp = folder / "model" / "cp-0002.cp"  # weights gone NaN in step 3: steps 1 and 2 are good
+    state = checkpoint.load(cp)
+    state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"].fill_(float("nan"))
+    torch.save(state, cp)
+    capsys.readouterr()
+    assert main(["pretrain", "--model-dir", str(folder), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: training diverged") and len(err.splitlines()) == 1, err
+    assert "cp-0001.cp (step 2) is the newest checkpoint from before the divergence" in err
+
+
+def test_a_signal_during_the_last_step_exits_as_preempted_and_the_rerun_does_the_last_dev_pass(tmp_path, data,
+                                                                                                monkeypatch):
+    check = NonFiniteLosses.check
+
+    def signal_in_the_last_step(self, loss, step):
+        if step == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return check(self, loss, step)
+
+    monkeypatch.setattr(NonFiniteLosses, "check", signal_in_the_last_step)
+    folder = model_dir(tmp_path)
+    assert run(folder) == PREEMPTED_EXIT_CODE  # a restart policy reruns it: the last dev pass is not done
+    log = folder / "model" / "pretrain_output.log"
+    assert [e["step"] for e in read_log(log, "dev")] == [4, 8]
+    monkeypatch.setattr(NonFiniteLosses, "check", check)
+    assert run(folder) == 0
+    assert [e["step"] for e in read_log(log, "dev")] == [4, 8, 12]
+
+
+def test_plot_draws_the_loss_and_the_accuracy_of_each_log_in_their_panels(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    drawn, plot = [], Axes.plot
+
+    def record(self, x, y, *args, **kwargs):
+        drawn.append((self, list(y)))
+        return plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    log = tmp_path / "log"
+    log.write_text("".join(json.dumps(e) + "\n" for e in [
+        {"type": "train", "step": 1, "loss": 4.0, "mlm_accu": 0.1}, {"type": "dev", "step": 1, "loss": 3.0,
+                                                                      "mlm_accu": 0.2}]))
+    plots.plot_pretraining({"r": log}, tmp_path / "c.png")
+    panels = {}
+    for axes, y in drawn:
+        panels.setdefault(axes.get_ylabel(), []).append(y)
+    assert panels == {"MLM loss": [[4.0], [3.0]], "MLM accuracy": [[0.1], [0.2]]}  # train, then dev

@@ -68,10 +68,27 @@ def test_every_command_that_takes_a_device_names_a_bad_one_in_one_line(capsys, c
     assert capsys.readouterr().err == "error: --device gpu: not a device; use cpu, cuda or cuda:N\n"
 
 
-def test_stopping_pretraining_before_its_first_step_is_an_error_naming_the_flag(capsys):
+@pytest.mark.parametrize("step", ["-1", "0"])  # 0 would exit 143 having done nothing: a restart policy would loop
+def test_stopping_pretraining_before_its_first_step_is_an_error_naming_the_flag(capsys, step):
     model_dir = str(Path(__file__).parents[1] / "nystrom-512")
-    assert main(["pretrain", "--model-dir", model_dir, "--stop-at-step", "-1"]) == 2
-    assert capsys.readouterr().err == "error: --stop-at-step: must be at least 1 (a global step), got -1\n"
+    assert main(["pretrain", "--model-dir", model_dir, "--stop-at-step", step]) == 2
+    assert capsys.readouterr().err == f"error: --stop-at-step: must be at least 1 (a global step), got {step}\n"
+
+
+def test_mixed_precision_off_computes_in_fp32_on_every_device_and_the_cpu_never_autocasts():
+    from nystromformer.runtime import autocast_dtype
+    assert autocast_dtype(torch.device("cuda", 0), False) is None
+    assert autocast_dtype(torch.device("cpu"), True) is None and autocast_dtype(torch.device("cpu"), False) is None
+
+
+def test_a_user_error_spanning_lines_is_still_one_error_line(capsys):
+    from nystromformer.cli import run_command
+
+    def fails(args):
+        raise UserError("x.json: bad\n   value")  # e.g. a library's message wrapped into ours
+
+    assert run_command(fails, None) == 2
+    assert capsys.readouterr().err == "error: x.json: bad value\n"
 
 
 @pytest.mark.parametrize("variable, value, says", [

@@ -101,7 +101,8 @@ def test_with_fp16_a_validation_that_overflows_is_measured_again_in_fp32(trained
 
 
 @pytest.mark.parametrize("section, key, value", [("model", "num_landmarks", 4), ("model", "attn_type", "softmax"),
-                                                 ("pretraining_setting", "mask_prob", 0.5)])
+                                                 ("pretraining_setting", "mask_prob", 0.5),
+                                                 ("pretraining_setting", "seed", 4)])  # the dev masks come from it
 def test_a_config_edited_after_training_is_refused_not_validated_as_another_model(trained, section, key, value):
     config = json.loads((trained / "config.json").read_text())
     old = load_config(trained).to_dict()[section][key]
@@ -126,3 +127,26 @@ def test_validating_a_model_folder_that_was_never_pretrained_is_an_error(tmp_pat
     folder = write_model_dir(tmp_path / "run", tiny_config())
     with pytest.raises(CheckpointError, match=r"no checkpoint cp-NNNN.model in .*: nothing has been pretrained"):
         validate(load_config(folder))
+
+
+def pretrained_for_one_epoch(tmp_path, **settings):
+    write_synthetic_data(tmp_path / "data")
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(epoch=1, **settings)
+    folder = write_model_dir(tmp_path / "run", cfg)
+    assert pretrain(load_config(folder), show_progress=False) == 0
+    return folder
+
+
+def test_validation_draws_the_runs_own_dev_masks_from_its_seed(tmp_path):
+    folder = pretrained_for_one_epoch(tmp_path, seed=3)
+    [entry] = validate(load_config(folder))
+    [dev] = [e for e in map(json.loads, (folder / "model" / "pretrain_output.log").read_text().splitlines())
+             if e["type"] == "dev"]
+    assert entry["loss"] == pytest.approx(dev["loss"], abs=1e-6)
+
+
+def test_a_run_without_dev_batches_is_validated_on_one_batch(tmp_path):
+    folder = pretrained_for_one_epoch(tmp_path, validate_batches_per_epoch=0)
+    [entry] = validate(load_config(folder))
+    assert entry["num_sequences"] == 16 and entry["num_masked"] > 0 and entry["loss"] > 0
