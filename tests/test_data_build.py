@@ -460,3 +460,65 @@ def test_shards_cannot_be_written_into_their_input_partition_folder(partitions, 
         with pytest.raises(BuildError, match=f"--output {output}: is inside the input folder"):
             build_shards([parse_dataset(str(copy))], output, str(trained_tokenizer), seq_len=64)
     assert sorted(p.name for p in copy.iterdir()) == before
+
+
+def parsed(command, *argv):
+    import argparse
+
+    from nystromformer.data import commands
+    parser = argparse.ArgumentParser()
+    commands.add_commands(parser.add_subparsers(dest="command", required=True))
+    return vars(parser.parse_args([command, *map(str, argv)]))
+
+
+def test_the_commands_defaults_are_those_of_the_functions_they_call():
+    import inspect
+    for command, function, argv in (("build-shards", build_shards, ["p", "--output", "o"]),
+                                    ("train-tokenizer", train_tokenizer, ["--input", "p", "--output", "o"])):
+        args = parsed(command, *argv)
+        defaults = {name: p.default for name, p in inspect.signature(function).parameters.items()
+                    if p.default is not inspect.Parameter.empty and name in args and name != "workers"}
+        # (--workers defaults to the machine's cores; a library call to one process)
+        assert defaults and all(args[name] == value for name, value in defaults.items()), (command, defaults)
+    assert parsed("build-shards", "p", "--output", "o")["dev_run"] == 8192  # the paper's files of sequences
+
+
+def test_every_build_shards_flag_reaches_the_build(partitions, trained_tokenizer, tmp_path):
+    from test_data_readers import run_command
+    out = tmp_path / "shards"
+    assert run_command(["build-shards", partitions / "wiki", "--output", out, "--tokenizer", trained_tokenizer,
+                        "--seq-len", 24, "--shard-size", 7, "--dev-fraction", 0.3, "--dev-run", 3, "--seed", 5,
+                        "--workers", 1]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["max_seq_len"], meta["shard_size"], meta["dev_fraction"], meta["dev_run"], meta["seed"]) == \
+        (24, 7, 0.3, 3, 5)
+
+
+def test_a_model_folder_finds_its_tokenizer_beside_it_or_beside_its_data_whatever_the_working_folder(
+        tmp_path, monkeypatch):
+    from helpers import tiny_config, write_model_dir, write_synthetic_data
+    from nystromformer.config import ConfigError, load_config
+    from nystromformer.tokenizer import model_tokenizer
+    data = write_synthetic_data(tmp_path / "data")
+    (data / "tok").mkdir()
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "tokenizer": "tok"}))  # relative to the data folder
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "tok").mkdir(parents=True)  # a same-named folder in the working folder is not it
+    monkeypatch.chdir(elsewhere)
+    folder = write_model_dir(tmp_path / "run", tiny_config())
+    assert Path(model_tokenizer(load_config(folder))).resolve() == data / "tok"
+    config = {**tiny_config(), "tokenizer": "../tok-of-the-model"}  # config.json's: relative to the model folder
+    assert Path(model_tokenizer(load_config(write_model_dir(tmp_path / "run2", config)))).resolve() == \
+        tmp_path / "tok-of-the-model"
+    del meta["tokenizer"]
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"run/config.json: no \"tokenizer\" key, and the data folder's meta.json"):
+        model_tokenizer(load_config(folder))
+
+
+def test_a_tokenizer_without_a_mask_token_cannot_pretrain(trained_tokenizer):
+    tokenizer = load_tokenizer(trained_tokenizer)
+    tokenizer.mask_token = None
+    with pytest.raises(TokenizerError, match="tokenizer has no mask token"):
+        special_token_ids(tokenizer)

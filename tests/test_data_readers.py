@@ -175,6 +175,10 @@ def test_user_errors_of_every_data_command_are_one_error_line_not_a_traceback(tm
           "--sentences-per-document", "0"], "--sentences-per-document must be at least 1, got 0"),
         (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x",
           "--words-per-partition", "0"], "--words-per-partition must be at least 1, got 0"),
+        (["preprocess", "stories", "--input", FIXTURES / "stories", "--output", tmp_path / "x",
+          "--document-per-file"], "--document-per-file and --sentences-per-document are bookcorpus options"),
+        (["preprocess", "wiki", "--input", FIXTURES / "wiki", "--output", tmp_path / "x",
+          "--sentences-per-document", "5"], "are bookcorpus options"),
     ]
     for argv, named in mistakes:
         assert run_command(argv) == 2, argv

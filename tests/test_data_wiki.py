@@ -75,3 +75,10 @@ def test_a_file_that_is_no_wiki_dump_is_an_error_after_wikiextractor_finds_no_ar
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (f"error: {dump}: wikiextractor found no article in it "
                                     f"(is it a pages-articles XML dump?)"), err
+
+
+def test_a_failing_wikiextractor_fails_the_command_with_its_exit_status(tmp_path, caplog):
+    dump = tmp_path / "damaged.xml.bz2"
+    dump.write_bytes(b"not bzip2 data")  # wikiextractor's reader raises: a crash make must not stamp as done
+    assert run_command(["extract-wiki", "--dump", dump, "--output", tmp_path / "out", "--processes", 1]) == 1
+    assert f"wikiextractor failed on {dump} with exit code 1" in caplog.text

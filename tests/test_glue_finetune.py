@@ -21,7 +21,7 @@ from nystromformer.glue.finetune import (FineTuningDiverged, FinetuneSettings, S
                                         run_dir)
 from nystromformer.glue.submission import read_submission
 from nystromformer.glue.sweep import grid, run_sweep, summary_dir, write_summary
-from nystromformer.model import NystromformerForMaskedLM
+from nystromformer.model import NystromformerForMaskedLM, NystromformerForSequenceClassification
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "glue"
@@ -170,9 +170,16 @@ def test_settings_survive_the_round_trip_through_command_line_flags():
 
     parser = argparse.ArgumentParser()
     add_glue_arguments(parser)
-    settings = FinetuneSettings(task="RTE", checkpoint=3, lr=3e-5, batch_size=16, epochs=5, seed=7, max_seq_len=256,
-                                max_train_examples=100, submission=False, progress=False)
+    # Every setting away from its default: a sweep's subprocess must run exactly what the grid asked for.
+    settings = FinetuneSettings(task="RTE", checkpoint=3, lr=3e-5, batch_size=16, epochs=4, seed=7, max_seq_len=256,
+                                warmup=0.1, weight_decay=0.05, max_train_examples=100, max_eval_examples=7,
+                                submission=False, eval_batch_size=8, device="cpu", progress=False)
+    defaults = FinetuneSettings(task="RTE", checkpoint=3)
+    assert [f.name for f in dataclasses.fields(settings)
+            if getattr(settings, f.name) == getattr(defaults, f.name)] == ["task", "checkpoint"]
     assert settings_from_args(parser.parse_args(settings_to_argv(settings))) == settings
+    # and no flag at all is the settings' defaults
+    assert settings_from_args(parser.parse_args(["--task", "RTE", "--checkpoint", "3"])) == defaults
 
 
 def test_missing_checkpoint_lists_the_available_ones(fixture_model_dir, capsys):
@@ -745,3 +752,89 @@ def test_submission_rows_carry_the_test_files_own_indices(shared_dir, tmp_path):
     finetune(model_dir, settings, log=quiet)
     submitted = read_submission(run_dir(model_dir / "model", settings) / "submission" / "MRPC.tsv")
     assert [index for index, _ in submitted] == ["10", "20"]
+
+
+def test_fine_tuning_decays_matrices_only_with_the_adamw_settings_of_roberta():
+    from nystromformer.glue.finetune import build_optimizer
+    model = NystromformerForSequenceClassification(ModelConfig(
+        vocab_size=64, max_seq_len=32, embedding_dim=32, transformer_dim=32, transformer_hidden_dim=64,
+        num_layers=1, num_head=4, head_dim=8, num_landmarks=8), num_labels=2)
+    optimizer = build_optimizer(model, 1e-3, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in optimizer.param_groups}
+    assert set(groups) == {0.05, 0.0} and groups[0.05] | groups[0.0] == set(names.values())
+    assert all(n.endswith("weight") and "norm" not in n for n in groups[0.05])       # the matrices
+    assert all(n.endswith("bias") or "norm" in n for n in groups[0.0])               # biases and LayerNorms
+    assert all((g["lr"], g["betas"], g["eps"]) == (1e-3, (0.9, 0.98), 1e-6) for g in optimizer.param_groups)
+
+
+def test_inputs_are_truncated_to_max_seq_len_and_each_epoch_reshuffles_by_the_seed(fixture_model_dir,
+                                                                                     monkeypatch):
+    from nystromformer.glue.encoding import PadCollator
+    batches, collate = [], PadCollator.__call__
+
+    def record(self, examples):
+        batch = collate(self, examples)
+        batches.append(batch["input_ids"])
+        return batch
+
+    monkeypatch.setattr(PadCollator, "__call__", record)
+    orders = {}
+    for seed in (1, 1, 2):
+        batches.clear()
+        settings = FinetuneSettings(task="QNLI", checkpoint=0, lr=1e-3, batch_size=1, epochs=2, seed=seed,
+                                    max_seq_len=12, progress=False, submission=False)
+        finetune(fixture_model_dir, settings, log=quiet)
+        assert max(b.shape[1] for b in batches) == 12  # the fixture's pairs are longer
+        train = [tuple(b[0].tolist()) for b in batches if b.shape[0] == 1]
+        n = len(train) // 2
+        orders.setdefault(seed, []).append((train[:n], train[n:]))
+    (first, second), again = orders[1]
+    assert first != second and sorted(first) == sorted(second)  # a new order each epoch, the same examples
+    assert again == (first, second) and orders[2][0] != (first, second)  # the seed fixes it
+
+
+def test_a_collected_submission_file_goes_when_its_run_is_no_longer_the_best_and_the_new_best_has_none(tmp_path):
+    # submission is not a compared setting: a --no-submission run of the same grid can become the best
+    runs = grid(["MRPC"], lrs=[1e-3, 2e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    write_finished_run(tmp_path, runs[0], 0.5)
+    first = run_dir(tmp_path, runs[0])
+    (first / "submission").mkdir()
+    (first / "submission" / "MRPC.tsv").write_text("index\tprediction\n0\t1\n")
+    result = json.loads((first / "result.json").read_text())
+    (first / "result.json").write_text(json.dumps({**result, "submission": ["submission/MRPC.tsv"]}))
+    collected = Path(write_summary(tmp_path, runs, log=quiet)["dir"]) / "submission" / "MRPC.tsv"
+    assert collected.read_text() == "index\tprediction\n0\t1\n"
+    write_finished_run(tmp_path, dataclasses.replace(runs[1], submission=False), 0.7)
+    messages = []
+    summary = write_summary(tmp_path, runs, log=messages.append)
+    assert summary["best_per_task"]["MRPC"]["score"] == 0.7 and len(summary["rows"]) == 2
+    assert not any(m.startswith("warning:") for m in messages), messages
+    assert not collected.exists()
+    assert "missing MRPC.tsv (MRPC's best run MRPC-0-0.002-2-2: made with --no-submission)" in \
+        Path(summary["markdown"]).read_text()
+
+
+def test_a_parallel_sweep_gives_each_run_a_free_device_and_reports_every_failed_run(fixture_model_dir, monkeypatch):
+    import threading
+    import nystromformer.glue.sweep as sweep
+    real_popen, running, reused_busy = subprocess.Popen, {}, []
+
+    def failing_run(cmd, env, **kwargs):  # a real child on its device, failing as a crashed run would
+        device = env["CUDA_VISIBLE_DEVICES"]
+        reused_busy.append(device in running and running[device].poll() is None)
+        running[device] = real_popen([sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"],
+                                     env=env, **kwargs)
+        return running[device]
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", failing_run)
+    runs = grid(["MRPC"], lrs=[1e-3, 2e-3, 3e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    messages, outcome = [], {}
+    worker = threading.Thread(target=lambda: outcome.update(run_sweep(fixture_model_dir, runs, devices=["a", "b"],
+                                                                      log=messages.append)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "three runs on two devices never finished: a device was not given back"
+    assert sorted(running) == ["a", "b"] and reused_busy == [False, False, False]
+    assert sorted(outcome["failed"]) == sorted(s.run_name for s in runs)
+    assert sum(m.startswith("FAILED MRPC-0-") and "(exit 3); see" in m for m in messages) == 3, messages

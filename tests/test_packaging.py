@@ -142,6 +142,10 @@ def test_make_glue_passes_the_papers_flags_through():
     dry = subprocess.run(["make", "-n", "glue", "MODEL=m", "TASK=RTE", "CHECKPOINT=3", "LR=2e-5", "BATCH_SIZE=16"],
                          cwd=REPO, capture_output=True, text=True).stdout
     assert "glue --model-dir m --task RTE --checkpoint 3 --batch_size 16 --lr 2e-5 --epoch 5" in dry
+    dry = subprocess.run(["make", "-n", "glue-sweep", "EPOCHS=3"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "--lrs 2e-5,3e-5,4e-5,5e-5 --batch-sizes 16,32 --epoch 3" in dry
+    dry = subprocess.run(["make", "-n", "data-512"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "--dev-run 8192" in dry  # the paper's files of 8,192 consecutive sequences
 
 
 @pytest.mark.parametrize("args, says", [
@@ -153,7 +157,11 @@ def test_make_glue_passes_the_papers_flags_through():
     (["pretrain", "NPROC=2", "MODEL=no-such-model"], "error: MODEL=no-such-model: no config.json in that folder"),
     (["docker-pretrain", "MODEL=/abs/model"], "error: MODEL=/abs/model: a folder inside the repository"),
     (["glue-sweep", "TASK=RTE"], "error: TASK is not used by glue-sweep (it takes TASKS LRS BATCH_SIZES"),
+    (["glue-sweep", "LR=1e-5"], "error: LR is not used by glue-sweep"),
+    (["glue-sweep", "BATCH_SIZE=16"], "error: BATCH_SIZE is not used by glue-sweep"),
     (["glue", "LRS=1e-5"], "error: LRS is not used by glue (it takes TASK LR BATCH_SIZE"),
+    (["glue", "TASKS=RTE"], "error: TASKS is not used by glue"),
+    (["glue", "BATCH_SIZES=16"], "error: BATCH_SIZES is not used by glue"),
 ])
 def test_make_variables_with_mistakes_stop_with_one_line_naming_the_variable(tmp_path, args, says):
     proc = subprocess.run(["make", "-s", *args, f"WORK={tmp_path}"], cwd=REPO, capture_output=True, text=True)

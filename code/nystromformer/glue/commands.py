@@ -6,29 +6,35 @@ also has a dashed spelling.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import List, Optional
 
 from ..cli import add_subcommand, script_main
-from .finetune import DEFAULT_SEED, FinetuneSettings, SettingsError, finetune
+from .finetune import FinetuneSettings, SettingsError, finetune
 from .sweep import PAPER_BATCH_SIZES, PAPER_EPOCHS, PAPER_LRS, grid, run_sweep
 from .tasks import TASKS
+
+
+# The flags' defaults are FinetuneSettings' (one place): a run given no flag is FinetuneSettings(task, checkpoint).
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(FinetuneSettings)}
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", "--model_dir", default=".",
                    help="model folder with config.json (default: the current directory)")
     p.add_argument("--checkpoint", type=int, required=True, help="pretraining epoch N: starts from cp-N.model")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                   help=f"training seed (default {DEFAULT_SEED}); another value adds -seed<N> to the run name")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                   help=f"training seed (default {DEFAULTS['seed']}); another value adds -seed<N> to the run name")
     p.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None,
                    help="truncate inputs to this many tokens (default: the model's max_seq_len)")
-    p.add_argument("--warmup", type=float, default=0.06, help="fraction of steps warming up (default 0.06)")
-    p.add_argument("--weight-decay", "--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=DEFAULTS["warmup"],
+                   help=f"fraction of steps warming up (default {DEFAULTS['warmup']})")
+    p.add_argument("--weight-decay", "--weight_decay", type=float, default=DEFAULTS["weight_decay"])
     p.add_argument("--max-train-examples", "--max_train_examples", type=int, default=None,
                    help="train on a fixed random subset of this size (quick runs); adds -train<N> to the run name")
     p.add_argument("--max-eval-examples", "--max_eval_examples", type=int, default=None,
                    help="evaluate on a fixed random subset of each dev split (test splits stay complete)")
-    p.add_argument("--eval-batch-size", "--eval_batch_size", type=int, default=64)
+    p.add_argument("--eval-batch-size", "--eval_batch_size", type=int, default=DEFAULTS["eval_batch_size"])
     p.add_argument("--no-submission", dest="submission", action="store_false",
                    help="skip the test-set predictions")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
@@ -37,9 +43,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def add_glue_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)} (case and dash are ignored)")
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--batch_size", "--batch-size", type=int, default=32)
-    p.add_argument("--epoch", "--epochs", dest="epoch", type=int, default=PAPER_EPOCHS, help="epochs to train")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--batch_size", "--batch-size", type=int, default=DEFAULTS["batch_size"])
+    p.add_argument("--epoch", "--epochs", dest="epoch", type=int, default=DEFAULTS["epochs"], help="epochs to train")
     _add_common(p)
 
 
