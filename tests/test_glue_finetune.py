@@ -838,3 +838,32 @@ def test_a_parallel_sweep_gives_each_run_a_free_device_and_reports_every_failed_
     assert sorted(running) == ["a", "b"] and reused_busy == [False, False, False]
     assert sorted(outcome["failed"]) == sorted(s.run_name for s in runs)
     assert sum(m.startswith("FAILED MRPC-0-") and "(exit 3); see" in m for m in messages) == 3, messages
+
+
+def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():
+    base = FinetuneSettings(task="RTE", checkpoint=3)
+    folder = summary_dir(Path("m"), base)
+    assert folder == Path("m/glue/sweep-3") and summary_dir(Path("m"), dataclasses.replace(base, submission=False)) \
+        == folder
+    others = [dataclasses.replace(base, epochs=3), dataclasses.replace(base, epochs=10),
+              dataclasses.replace(base, warmup=0.1)]
+    assert len({folder, *(summary_dir(Path("m"), s) for s in others)}) == 4
+
+
+def test_unreadable_or_misnamed_run_folders_are_named_in_warnings_not_summarised_or_fatal(tmp_path):
+    runs = grid(["RTE"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    write_finished_run(tmp_path, runs[0], 0.5)
+    for name, content in (("RTE-torn", '{"settings": {"task": "RTE"'), ("RTE-alien", '{"settings": {"bogus": 1}}')):
+        (tmp_path / "glue" / name).mkdir()
+        (tmp_path / "glue" / name / "result.json").write_text(content)
+    seven = dataclasses.replace(runs[0], seed=7)
+    write_finished_run(tmp_path, seven, 0.9)
+    (tmp_path / "glue" / seven.run_name).rename(tmp_path / "glue" / "RTE-renamed")
+    messages = []
+    assert [r["score"] for r in write_summary(tmp_path, runs, log=messages.append)["rows"]] == [0.5]
+    warnings = "\n".join(m for m in messages if m.startswith("warning:"))
+    assert "RTE-torn/result.json is unreadable (JSONDecodeError" in warnings
+    assert "RTE-alien/result.json is unreadable (TypeError" in warnings
+    summary7 = []
+    assert write_summary(tmp_path, [seven], log=summary7.append)["rows"] == []
+    assert any(f"RTE-renamed holds run {seven.run_name}; not in the summary" in m for m in summary7), summary7
