@@ -109,6 +109,12 @@ def test_missing_keys_take_the_paper_defaults():
     assert cfg.model.attention_fp32 and cfg.model.mixed_precision and not cfg.model.pre_layer_norm
 
 
+def test_a_path_may_start_at_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config(), "data_folder": "~/data/512"}))
+    assert load_config(tmp_path).data_dir == tmp_path / "home" / "data" / "512"
+
+
 def test_paths_are_relative_to_the_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(tiny_config()))
     cfg = load_config(tmp_path)

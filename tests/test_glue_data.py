@@ -188,3 +188,10 @@ def test_a_test_file_index_given_twice_is_a_malformed_row_naming_both_lines(tmp_
     result = read_tsv(path, Columns(text_a="sentence", index="index"), ["0", "1"], with_labels=False)
     assert [e.index for e in result.examples] == ["0", "1"]
     assert result.malformed == ["test.tsv:4: index '0' again (first at line 2)"]
+
+
+def test_an_index_repeated_in_a_labelled_file_is_kept_only_test_files_need_unique_indices(tmp_path):
+    path = tmp_path / "dev.tsv"
+    path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n0\tc\td\tnot_entailment\n")
+    result = read_tsv(path, PAIR, ["entailment", "not_entailment"])
+    assert [(e.index, e.label) for e in result.examples] == [("0", 0), ("0", 1)] and result.malformed == []

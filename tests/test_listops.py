@@ -242,6 +242,7 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
     (["--batch-size", "0"], "--batch-size: must be at least 1, got 0"),
     (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
     (["--steps", "500"], "--warmup: 1000 warm-up steps are not fewer than --steps 500"),
+    (["--steps", "1000"], "--warmup: 1000 warm-up steps are not fewer than --steps 1000"),
     (["--learning-rate", "0"], "--learning-rate: must be positive, got 0.0"),
     (["--eval-batches", "0"], "--eval-batches: must be positive, got 0"),
     (["--time-limit-s", "-5"], "--time-limit-s: must be at least 0, got -5.0"),
@@ -343,3 +344,13 @@ def test_majority_accuracy_takes_the_class_from_training_and_the_table_reports_t
              "steps": 1, "train_seconds": 0, "params": 1} for seed, acc in ((0, 0.5), (1, 0.7))]
     write_results(runs, tmp_path, "t", RunSettings(), 0.1)
     assert "| softmax | 2 | 60.00 ± 14.14 | 60.00 ± 14.14 |" in (tmp_path / "listops_results.md").read_text()
+
+
+def test_eval_batches_reads_exactly_that_many_batches():
+    from nystromformer.lra.train import ListOpsClassifier, accuracy
+    model = ListOpsClassifier(model_config("softmax", RunSettings(**TINY, steps=2)), hidden=16)
+    rows = [(listops.encode("[MAX 1 2 ]".split(), 24), 2)] * 20
+    seen = []
+    model.register_forward_hook(lambda module, inputs, output: seen.append(len(output)))
+    accuracy(model, rows, 8, "cpu", max_batches=2)
+    assert seen == [8, 8]

@@ -170,3 +170,16 @@ def test_an_embedding_narrower_than_the_transformer_is_projected_up_and_trained(
     # The tied decoder works in the embedding width: the MLM head projects back down.
     assert model.encoder.embeddings.word_embeddings.weight.shape == (64, 16)
     assert model.mlm_head.dense.weight.shape == (16, 32)
+
+
+def test_weights_start_as_bert_does_normal_002_matrices_zero_biases_unit_layer_norms():
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config(transformer_dim=64, num_head=8,
+                                                                  embedding_dim=64, vocab_size=4000)).model)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.bias is not None:
+            assert not module.bias.any(), name
+        if isinstance(module, torch.nn.LayerNorm):
+            assert (module.weight == 1).all() and not module.bias.any(), name
+    word = model.encoder.embeddings.word_embeddings.weight
+    assert abs(word.std().item() - 0.02) < 0.001 and abs(word.mean().item()) < 0.001
