@@ -266,9 +266,9 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         finished = step >= total_steps
         if not finished:
             log.truncate_after(step)
-        if not finished and (stop_at_step is None or step < stop_at_step):  # a rerun of the same stop logs nothing
-            say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
-            log.write(type="resume", step=step, checkpoint=state["path"])
+            if stop_at_step is None or step < stop_at_step:  # a rerun of the same stop trains and logs nothing
+                say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
+                log.write(type="resume", step=step, checkpoint=state["path"])
         # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
         if dev is not None and step % ps.batches_per_epoch == 0 and dev_point_missing(log.path, step, rt):
             evaluate_dev(step // ps.batches_per_epoch - 1, step, " (the evaluation the stopped run did not do)")
