@@ -124,13 +124,14 @@ def middle_table(args, dev, d=64):
 # its iterates whatever the count —, split Z / Z·W as with NYSTROM_OVERLAP=1?, the iteration's backward
 # transposed (112 / 96 KB of shared memory instead of 160 / 144: two programs per SM where the registers allow
 # it), the core's warps per program — None: CORE_WARPS as set)
-MIDDLES = [("PyTorch ops + pinv kernel (=1)", False, 0, False, False, None),
+MIDDLES = [("PyTorch ops + pinv kernel (=1), direct backward", False, 0, False, False, None),
            ("PyTorch ops + pinv kernel (=1), transposed backward", False, 0, False, True, None),
-           ("landmark_core (=all), backward replays", True, 0, False, False, None),
+           ("landmark_core (=all), backward replays, direct, 8 warps", True, 0, False, False, 8),
+           ("landmark_core (=all), backward replays, direct, 4 warps", True, 0, False, False, 4),
            ("landmark_core (=all), backward replays, transposed, 8 warps", True, 0, False, True, 8),
            ("landmark_core (=all), backward replays, transposed, 4 warps", True, 0, False, True, 4),
-           ("landmark_core (=all), iterates kept", True, None, False, False, None),
-           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True, False, None)]
+           ("landmark_core (=all), iterates kept, transposed, 4 warps", True, None, False, True, 4),
+           ("landmark_pinv + Z·W bmm (=all, overlap), iterates kept", True, None, True, True, None)]
 
 
 def count_launches(fn):

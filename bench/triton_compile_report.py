@@ -73,7 +73,7 @@ def configs(dt: str, prec: str, wide: bool):
     yield ("pass 1 backward", nt._lq_bwd_kernel,
            dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
                 **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", **dims),
-           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, **f64), 4 if wide else 8)
     core = dict(QL=p, KL=p)
     core_c = dict(BLOCK=64, BLOCK_D=64, OUTER="tf32x3", IS_F64=False)
     batch = dict(BLOCK_S=nt.CORE_BLOCK_S, CHUNKS=6)  # b·h = 1,536 (batch 128 × 12 heads)

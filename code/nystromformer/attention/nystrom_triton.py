@@ -739,8 +739,10 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 PINV_WARPS_64 = {"tf32": (4, 4), "tf32x3": (4, 4), "ieee": (8, 8)}
 # The iteration's backward (pinv kernel and landmark core) in its transposed form, _pinv_reverse_transposed: the
 # same products, 112 KB of shared memory instead of 160 at tf32 and 4 warps, so two programs per SM instead of one
-# — but more spills (532 B vs 408). Not yet timed (docs/performance.md): off until a GPU shows it is faster.
-PINV_BACKWARD_TRANSPOSED = False
+# — but more spills (532 B vs 408). Timed on an H100 (docs/performance.md, bf16 landmarks, fwd+bwd ms): the
+# landmark core 1.07 vs 1.89 at 1,536 matrices with 4 warps (1.83 with 8), 0.71 vs 0.73 at 192, 0.68 vs 0.86 at
+# 12; the pinv kernel alone about the same either way (1.42 vs 1.55 at 1,536, 0.87 vs 0.89 at 192).
+PINV_BACKWARD_TRANSPOSED = True
 
 
 def _pinv_warps(m: int, precision: str, warps: int, which: int) -> int:
@@ -805,9 +807,10 @@ def pinv_iterate(a: torch.Tensor, z0: torch.Tensor, iters: int, precision: str =
 
 # ----------------------------------------------------------------------------------------------- landmark core
 CORE_BLOCK_S = 256  # batch-wide reductions read b·h floats in chunks of this many
-# Warps per program of the core's iterating kernels: 8 spill least at 64 × 64 (ptxas, sm_90: forward 0 B at tf32,
-# backward 824 B vs 1,788 at 4 warps, softmax backward 176 vs 600). Not yet timed on a GPU.
-CORE_WARPS = 8
+# Warps per program of the core's kernels. 8 spill least at 64 × 64 (ptxas, sm_90: backward 824 B vs 1,788 at 4
+# warps), yet 4 ran faster on an H100 (with the transposed backward, 1,536 matrices: forward 0.28 vs 0.44 ms,
+# fwd+bwd 1.07 vs 1.83; docs/performance.md).
+CORE_WARPS = 4
 # Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step and the final
 # Z (112 KB per matrix at m = 64, 6 steps), and the backward skips replaying the forward — a quarter of its
 # products, where its latency is the cost (long n, small batch: 12 matrices at 65,536 tokens, one wave on 12 SMs).
@@ -816,8 +819,10 @@ CORE_WARPS = 8
 CORE_KEEP_MAX = 0
 
 
-def _core_warps(m: int) -> int:
-    return CORE_WARPS if _block(m) == 64 else 4
+def _core_warps(m: int, d: int) -> int:
+    # At head_dim ≤ 16, 8 warps made Triton 3.6 read shared memory out of bounds in the bf16 backward (an illegal
+    # memory access on an H100, compute-sanitizer: _core_bwd_kernel's dG·Wᵀ product); 4 are correct there.
+    return CORE_WARPS if _block(m) == 64 and _block(d) > 16 else 4
 
 
 def _core_consts(q_land: torch.Tensor, precision: str) -> dict:
@@ -861,7 +866,7 @@ def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep):
     zs = torch.empty(_kept_shape(q_land, iters, keep), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
                                zs, m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
-                               num_warps=_core_warps(m), **c)
+                               num_warps=_core_warps(m, d), **c)
     return out, zs
 
 
@@ -881,11 +886,11 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w)
     _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous() if has_w else g, stat, cols, g,
                                dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
                                HAS_W=has_w, KEPT=kept, TRANSPOSED=PINV_BACKWARD_TRANSPOSED,
-                               num_warps=_core_warps(m), **c)
+                               num_warps=_core_warps(m, d), **c)
     dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
     c.pop("PREC")
     _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
-                                       d ** -0.5, num_warps=_core_warps(m), **c)
+                                       d ** -0.5, num_warps=_core_warps(m, d), **c)
     return dq_land, dk_land, dw
 
 
@@ -987,11 +992,14 @@ def _dot_precision(dtype) -> str:
 
 
 def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
-    # 8 warps; keys per block: forward 64 (fp32: 32), backward 32 (fp32: 16) — no spills (ptxas, sm_90)
+    # Keys per block: forward 64 (fp32: 32), backward 32 (fp32: 16) — no spills at 8 warps (ptxas, sm_90). The
+    # fp32 backward runs 4 warps: at 8, Triton 3.6 compiled it wrong on an H100 (head_dim 64: an out-of-bounds
+    # shared-memory read, compute-sanitizer; head_dim 32: dQ̃ off by 67% with no error); 4 are correct at 16–64.
     small = q_land.element_size() <= 2
     block_k = (32 if small else 16) if backward else (64 if small else 32)
     return dict(BLOCK_M=_block(q_land.shape[-2]), BLOCK_K=block_k, BLOCK_D=_block(q_land.shape[-1]),
-                PREC=_dot_precision(q_land.dtype), IS_F64=q_land.dtype == torch.float64)
+                PREC=_dot_precision(q_land.dtype), IS_F64=q_land.dtype == torch.float64,
+                num_warps=8 if small or not backward else 4)
 
 
 def _lq_forward_fake(q_land, k, v, key_bias):
@@ -1016,7 +1024,7 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mx = torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
     sm = torch.empty_like(mx)
     _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), acc, mx, sm,
-                                   h, n, m, d, d ** -0.5, TILES=tiles, num_warps=8, **c)
+                                   h, n, m, d, d ** -0.5, TILES=tiles, **c)
     out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
     out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype)  # a copy even if the same dtype
     lse = torch.empty(b, h, m, device=k.device, dtype=acc_t)
@@ -1044,7 +1052,7 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
     _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), g,
                                    lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n,
-                                   m, d, d ** -0.5, TILES=tiles, num_warps=8, **c)
+                                   m, d, d ** -0.5, TILES=tiles, **c)
     return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
 
 
