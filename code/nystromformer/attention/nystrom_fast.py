@@ -29,9 +29,10 @@ not stable in bf16, and they are tiny (m × m and m × d per head).
 On CUDA, when Triton is importable, the segment means, the pseudo-inverse iteration and the conv (+ residual add)
 run as Triton kernels (``nystrom_triton``); otherwise, and on CPU, as PyTorch ops (the conv as a grouped conv1d,
 which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRITON`` chooses (``triton_mode``):
-0 = none, 1 = the kernels checked on an H100 (default), all = also the attention-pass kernels and the one-node
-training backward, which are tested on CPU only so far. ``NYSTROM_OVERLAP=1`` (``overlap_mode``, default 0,
-not yet timed) computes Z apart from Z @ W, on a second CUDA stream beside the landmark pass.
+0 = none, 1 = those kernels (default), all = also the attention-pass kernels, the landmark core and the one-node
+training backward (faster for bf16 attention on an H100; docs/performance.md). ``NYSTROM_OVERLAP=1``
+(``overlap_mode``, default 0: slower on an H100) computes Z apart from Z @ W, on a second CUDA stream beside the
+landmark pass.
 """
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ TRITON_MODES = ("0", "1", "all")
 
 
 def triton_mode() -> str:
-    """``NYSTROM_TRITON``: "0" no Triton kernels; "1" (default) the kernels measured on an H100 (segment means,
-    pseudo-inverse, conv); "all" also the ones built since and not yet run on a GPU (both attention passes and
-    the one-node training backward) — the default moves to them once a GPU session has checked and timed them."""
+    """``NYSTROM_TRITON``: "0" no Triton kernels; "1" (default) segment means, pseudo-inverse and conv kernels;
+    "all" also both attention passes, the landmark core and the one-node training backward. Both are tested and
+    timed on an H100: "all" is faster with bf16 attention, slower end-to-end with the shipped fp32-attention
+    config at n = 512 (host time; docs/performance.md), hence the default."""
     mode = os.environ.get("NYSTROM_TRITON", "1")
     if mode not in TRITON_MODES:
         raise AttentionSettingError(f"NYSTROM_TRITON: expected one of {', '.join(TRITON_MODES)}, got {mode!r}")
@@ -256,8 +258,9 @@ def overlap_mode() -> bool:
     """``NYSTROM_OVERLAP=1``: compute Z = pinv(kernel_2) apart from Z·W, on a second CUDA stream beside pass 1,
     forward and backward. Can pay where pass 1 leaves SMs idle and the iteration's few programs sit between the
     passes: long n, small batch (at 65,536 tokens and batch 1, 12 matrices on 12 of 132 SMs; their device time
-    is estimated at ~0.1–0.2 ms fwd+bwd, docs/performance.md). Default 0 until a GPU session has timed it. On
-    CPU (and under torch.compile or CUDA-graph capture) the split form runs on one stream: same function."""
+    is estimated at ~0.1–0.2 ms fwd+bwd, docs/performance.md). Default 0: on an H100 it was slower from
+    n = 4096 on (attention 4.36 vs 2.98 ms at 65,536; 3% faster at 512) and in training. On CPU (and under
+    torch.compile or CUDA-graph capture) the split form runs on one stream: same function."""
     mode = os.environ.get("NYSTROM_OVERLAP", "0")
     if mode not in OVERLAP_MODES:
         raise AttentionSettingError(f"NYSTROM_OVERLAP: expected one of {', '.join(OVERLAP_MODES)}, got "

@@ -814,8 +814,9 @@ CORE_WARPS = 4
 # Up to this many matrices (batch · heads) the core's forward keeps the iterate entering each step and the final
 # Z (112 KB per matrix at m = 64, 6 steps), and the backward skips replaying the forward — a quarter of its
 # products, where its latency is the cost (long n, small batch: 12 matrices at 65,536 tokens, one wave on 12 SMs).
-# Off (0) until a GPU has timed it (bench/pinv_speed.py --middle-only): per layer it keeps 448/n of an fp32
-# (b, h, n, d) tensor — little at 65,536, more than a bf16 q-sized tensor at n = 512.
+# Off (0): timed on an H100 only with the former settings (8 warps, direct backward: 8% faster at 12 and 1,536
+# matrices, 20% slower at 192), not yet with the current ones (bench/pinv_speed.py --middle-only). Per layer it
+# keeps 448/n of an fp32 (b, h, n, d) tensor — little at 65,536, more than a bf16 q-sized tensor at n = 512.
 CORE_KEEP_MAX = 0
 
 
@@ -1254,7 +1255,7 @@ def conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weigh
 
 def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weight_shape) -> torch.Tensor:
     """``conv_weight_grad`` with one tensor-core product per 64-row tile and a diagonal gather (used by the
-    ``NYSTROM_TRITON=all`` path until a GPU run has timed it against the shifted-load kernel)."""
+    ``NYSTROM_TRITON=all`` path: 0.27 ms on an H100 at 65,536 tokens against the shifted-load kernel's 0.47)."""
     b, h, n, d = v.shape
     ks = weight_shape[2]
     block_n = 64
