@@ -4,7 +4,7 @@ CUDA_LAUNCH_BLOCKING the error surfaces at some later, innocent kernel. With --s
 is run again under compute-sanitizer's memcheck, which names the kernel and the bad address.
 
     python bench/triage_kernels.py [--sanitize]          # the table of cases
-    python bench/triage_kernels.py --case lk:bf16:16:1000  # one case, in this process
+    python bench/triage_kernels.py --case lk:bf16:16:1000  # one case, in this process (CPU: TRITON_INTERPRET=1)
     python bench/triage_kernels.py --cases lq:fp32:64:1000:BLOCK_K=32,num_warps=4  # pass 1 backward variants
 
 Every case prints the output's and gradients' relative errors against an fp64 reference (SDPA, or the PyTorch
@@ -37,7 +37,7 @@ def run_case(spec: str) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: under TRITON_INTERPRET=1, to try the script
     torch.manual_seed(0)
     keep = torch.ones(b, n, device=dev, dtype=torch.float64)
-    for row, pad in enumerate((0, 137, 400, 0)):
+    for row, pad in enumerate((0, n * 137 // 1000, n * 2 // 5, 0)):  # n = 1000: 137 and 400 padded keys
         if pad:
             keep[row, n - pad:] = 0
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -80,13 +80,14 @@ def run_case(spec: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case")
+    p.add_argument("--case", nargs="+", help="run these cases in this process (one line each)")
     p.add_argument("--cases", nargs="+", help="these cases instead of the table's")
     p.add_argument("--sanitize", type=int, default=0, metavar="N",
                    help="run the first N failing cases again under compute-sanitizer memcheck")
     args = p.parse_args()
     if args.case:
-        run_case(args.case)
+        for spec in args.case:
+            run_case(spec)
         return
     env = dict(os.environ, NYSTROM_TRITON="all", CUDA_LAUNCH_BLOCKING="1")
     print(f"# NYSTROM_TRITON=all kernels, one process per case (b=4, h=3, m=64, padding), "
