@@ -924,6 +924,19 @@ def test_kernels_only_on_devices_with_enough_shared_memory(monkeypatch, shared, 
         nystrom_triton._fits_device.cache_clear()
 
 
+def test_launch_settings_that_triton_miscompiled_on_an_h100_are_never_used(monkeypatch):
+    # Triton 3.6 on sm_90 (docs/performance.md, "Two Triton miscompiles"): pass 1's fp32 backward at 8 warps (an
+    # out-of-bounds read at head_dim 64, a wrong dQ̃ at 32) and the core at 8 warps with head_dim 16 (bf16)
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    for dtype in (torch.float32, torch.float64):
+        for d in (16, 32, 64):
+            assert nystrom_triton._lq_consts(torch.empty(1, 1, 64, d, dtype=dtype), backward=True)["num_warps"] == 4
+    monkeypatch.setattr(nystrom_triton, "CORE_WARPS", 8)
+    assert [nystrom_triton._core_warps(64, d) for d in (8, 16, 32, 64)] == [4, 4, 8, 8]
+
+
 @pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU target; not under the interpreter")
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
     if not _triton_importable():
