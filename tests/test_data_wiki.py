@@ -67,6 +67,22 @@ def test_extract_wiki_bytes_zero_writes_one_article_per_file_as_wikiextractor_do
     assert sorted(set(articles)) == [0, 1] and articles.count(0) == 1 and articles.count(1) > 100
 
 
+@pytest.mark.parametrize("spelling,size", [("0", 0), ("200K", 200 * 1024), ("100M", 100 * 1024 ** 2),
+                                           ("100m", 100 * 1024 ** 2), ("1G", 1024 ** 3)])
+def test_extract_wiki_takes_the_sizes_wikiextractor_takes(spelling, size):
+    from nystromformer.data.wiki import _file_size
+    assert _file_size(spelling) == size
+
+
+@pytest.mark.parametrize("spelling", ["100MB", "1.5G", "3000000", "100", "-1M", "1 G", ""])
+def test_extract_wiki_refuses_sizes_wikiextractor_would_reject_or_misread(tmp_path, capsys, spelling):
+    # wikiextractor drops the last character as the unit: "100MB" fails after it starts (exit 0, nothing
+    # written), and bare digits lose their last one ("3000000" would be 300,000 bytes)
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", tmp_path / "x", f"--bytes={spelling}"]) == 2
+    assert "--bytes: a size of at least 200K" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_file_that_is_no_wiki_dump_is_an_error_after_wikiextractor_finds_no_article(tmp_path, capsys):
     import bz2
     dump = tmp_path / "not-a-dump.xml.bz2"

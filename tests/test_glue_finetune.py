@@ -565,6 +565,18 @@ def test_impossible_fine_tuning_settings_are_one_error_line_naming_the_flag(tmp_
     assert err.startswith(f"error: {named}") and len(err.splitlines()) == 1, err
 
 
+def test_a_single_sentence_task_needs_three_tokens_a_pair_task_six(tmp_path, capsys):
+    # <s> text </s>, or <s> a </s></s> b </s>: one token of each text at least, or truncation could not apply
+    from nystromformer.cli import main
+    for task, shortest in (("CoLA", 3), ("RTE", 6)):
+        assert main(["glue", "--task", task, "--max-seq-len", str(shortest - 1), "--model-dir", str(tmp_path),
+                     "--checkpoint", "0"]) == 2
+        assert capsys.readouterr().err.startswith(f"error: --max-seq-len: must be at least {shortest} for {task}")
+        main(["glue", "--task", task, "--max-seq-len", str(shortest), "--model-dir", str(tmp_path),
+              "--checkpoint", "0"])                        # fails later (no model here), not on the length
+        assert "--max-seq-len" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--checkpoint", "7"], "no checkpoint cp-0007.model in "),
     (["--checkpoint", "0", "--device", "gpu"], "--device gpu: not a device"),
