@@ -86,8 +86,13 @@ def main() -> None:
                    help="run the first N failing cases again under compute-sanitizer memcheck")
     args = p.parse_args()
     if args.case:
+        from nystromformer.attention import nystrom_triton as nt
+        plain = nt._lq_consts, nt._core_warps
         for spec in args.case:
-            run_case(spec)
+            try:
+                run_case(spec)
+            finally:  # a case's overrides end with it
+                nt._lq_consts, nt._core_warps = plain
         return
     env = dict(os.environ, NYSTROM_TRITON="all", CUDA_LAUNCH_BLOCKING="1")
     print(f"# NYSTROM_TRITON=all kernels, one process per case (b=4, h=3, m=64, padding), "
