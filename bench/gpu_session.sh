@@ -80,7 +80,8 @@ stage_model() {
   local d=$RESULTS/model; mkdir -p "$d"
   for fp32 in true false; do
     limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 "$fp32" \
-      $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) >> "$d/model-512.md"
+      $([ "$fp32" = false ] && echo --kernels nystrom nystrom-all softmax) \
+      $([ "$fp32" = true ] && echo --host-profile nystrom nystrom-all) >> "$d/model-512.md"
   done
   limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
     hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"

@@ -19,18 +19,25 @@ Batches have no padding, so — as pretraining does since the mask-free path —
 mask instead, the setting of the first H100 figures in docs/performance.md.
 
 Prints one Markdown table (tokens/s, ratios to softmax, to transformers' Nyströmformer and Roberta, peak MiB, the
-median step's wall time and one step's device time — kernels summed by torch.profiler: well under the step time
-means host-bound).
+median step's wall time, one step's device time — kernels summed by torch.profiler: well under the step time
+means host-bound — and the host's time to issue the step's forward, backward and optimizer step, medians, with no
+sync between them: when their sum is close to the step time, the host is what the device waits for).
+``--host-profile MODEL`` also prints cProfile's table of one step of that model (Python functions by their own
+host time: Triton's launcher, autograd, our wrappers), to find where a host-bound step's time goes.
 
     python bench/model_speed.py --seq-len 512 --batch 32
     python bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom softmax
     python bench/model_speed.py --attention-fp32 false --compile reduce-overhead   # CUDA graphs
+    python bench/model_speed.py --attention-fp32 true --models nystrom nystrom-all --host-profile nystrom-all
     python bench/model_speed.py --device cpu --seq-len 128 --batch 2 --layers 2 --steps 2   # smoke test
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -94,18 +101,45 @@ def batch(cfg, b, n, device, seed=0, padding_mask=False):
     return ids.to(device), labels.to(device), mask, masked_positions_of(labels).to(device)
 
 
-def step_fn(model, is_hf, opt, device, amp):
+def step_fn(model, is_hf, opt, device, amp, host_times=None):
+    """One training step; with ``host_times`` (a list) it appends the host's seconds to issue the forward, the
+    backward and the optimizer step (no sync between them: on CUDA, the time to queue the work, not to run it)."""
     def step(ids, labels, mask, positions):
+        t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
             if is_hf:
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             else:
                 loss = model(ids, labels, mask, masked_positions=positions).loss
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if host_times is not None:
+            host_times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
         return loss
     return step
+
+
+def host_profile(step, batch_data, device, rows=30):
+    """cProfile's table of one step: Python functions by their own host time (tottime), with call counts. The
+    backward runs on the calling thread for it (on CUDA autograd runs it on a thread of its own, out of cProfile's
+    sight): the Python of custom backward functions and the launches they make are in the table."""
+    profiler = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        profiler.enable()
+        step(*batch_data)
+        profiler.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    # From the header ("ncalls tottime ...") on: the run's own totals line is kept above it
+    lines = text.getvalue().splitlines()
+    total = next((line.strip() for line in lines if "function calls" in line), "")
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return "\n".join([total, *lines[start:]]).rstrip()
 
 
 def device_ms(step, batch_data, device):
@@ -149,12 +183,17 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--kernels", nargs="*", default=[], metavar="MODEL",
                     help="also print a per-kernel device-time breakdown (torch.profiler) of one step of these models")
+    ap.add_argument("--host-profile", nargs="*", default=[], metavar="MODEL",
+                    help="also print cProfile's table of one step of these models (host time by Python function)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     amp = device.type == "cuda"
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
                       attention_fp32=args.attention_fp32 == "true")
-    rows, breakdowns = {}, {}
+    for name in args.kernels + args.host_profile:
+        if name not in args.models:
+            ap.error(f"{name} is not among --models ({' '.join(args.models)})")
+    rows, breakdowns, profiles = {}, {}, {}
     caller = {key: os.environ[key] for key in SWITCHES if key in os.environ}  # the caller's, under every row's own
     for name in args.models:
         for key in SWITCHES:
@@ -170,7 +209,8 @@ def main(argv=None):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         if args.compile != "none" and not is_hf:
             model.encoder.compile(mode=args.compile)
-        step = step_fn(model, is_hf, opt, device, amp)
+        host_times = []
+        step = step_fn(model, is_hf, opt, device, amp, host_times)
         data = [batch(cfg, args.batch, args.seq_len, device, seed=i, padding_mask=args.padding_mask)
                 for i in range(2)]
         try:
@@ -181,6 +221,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             times = []
+            del host_times[:]
             for i in range(args.steps):
                 t = time.perf_counter()
                 step(*data[i % 2])
@@ -188,12 +229,15 @@ def main(argv=None):
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+            host = [statistics.median(part) * 1e3 for part in zip(*host_times)]
             rows[name] = (args.batch * args.seq_len / statistics.median(times), peak,
-                          statistics.median(times) * 1e3, device_ms(step, data[0], device))
+                          statistics.median(times) * 1e3, device_ms(step, data[0], device), host)
             if name in args.kernels:
                 breakdowns[name] = kernel_breakdown(step, data[0], device)
+            if name in args.host_profile:
+                profiles[name] = host_profile(step, data[0], device)
         except torch.OutOfMemoryError:
-            rows[name] = (None, None, None, None)
+            rows[name] = (None, None, None, None, None)
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -208,13 +252,16 @@ def main(argv=None):
     ratio = lambda a, b: fmt(a / b if a and b else None, ".2f")  # noqa: E731
     soft, hf, roberta = (rows.get(name, (None,))[0] for name in ("softmax", "hf-nystromformer", "hf-roberta"))
     print("| model | tokens/s | × softmax | × transformers Nyströmformer | × transformers Roberta | peak MiB | "
-          "step ms | device ms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (tps, peak, step_ms, dev_ms) in rows.items():
+          "step ms | device ms | host ms fwd / bwd / opt |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (tps, peak, step_ms, dev_ms, host) in rows.items():
+        host_ms = "n/a" if host is None else " / ".join(format(x, ".1f") for x in host)
         print(f"| {name} | {fmt(tps, '.0f')} | {ratio(tps, soft)} | {ratio(tps, hf)} | {ratio(tps, roberta)} | "
-              f"{fmt(peak, '.0f')} | {fmt(step_ms, '.1f')} | {fmt(dev_ms, '.1f')} |")
+              f"{fmt(peak, '.0f')} | {fmt(step_ms, '.1f')} | {fmt(dev_ms, '.1f')} | {host_ms} |")
     for name, table in breakdowns.items():
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
+    for name, table in profiles.items():
+        print(f"\n# host time of one {name} training step by Python function (cProfile, tottime)\n{table}")
 
 
 if __name__ == "__main__":

@@ -48,13 +48,28 @@ def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
     # NYSTROM_IMPL=fast and n = 128 > 64 landmarks: the CUDA path's code (PyTorch ops here), split by the overlap row
     lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "128", "--batch", "2", "--layers",
                        "1", "--steps", "1", "--warmup", "1", "--models", "nystrom", "nystrom-overlap", "softmax",
-                       "attention-free", NYSTROM_IMPL="fast")
-    rows = table_rows(lines)
+                       "attention-free", "--host-profile", "nystrom", NYSTROM_IMPL="fast")
+    blank = lines.index("")
+    rows = table_rows(lines[:blank])
     assert [r[0] for r in rows] == ["nystrom", "nystrom-overlap", "softmax", "attention-free"]
-    for name, tokens_per_s, vs_softmax, *_, step_ms, device_ms in rows:
+    for name, tokens_per_s, vs_softmax, *_, step_ms, device_ms, host_ms in rows:
         assert float(tokens_per_s) > 0 and float(step_ms) > 0
         assert device_ms == "n/a"         # no CUDA here
+        # On the CPU the host runs the work as it issues it: forward + backward + optimizer make up the step.
+        fwd, bwd, opt = map(float, host_ms.split(" / "))
+        assert min(fwd, bwd, opt) > 0 and 0.5 * float(step_ms) < fwd + bwd + opt <= 1.05 * float(step_ms)
     assert rows[2][2] == "1.00"           # softmax against itself
+    # The host profile of the nystrom row: cProfile's table, where the attention's own functions appear
+    profile = lines[blank + 1:]
+    assert profile[0] == "# host time of one nystrom training step by Python function (cProfile, tottime)"
+    assert "function calls" in profile[1] and profile[2].split()[:2] == ["ncalls", "tottime"]
+    assert any("nystrom_fast.py" in line for line in profile[3:]), profile
+
+
+def test_model_speed_refuses_a_breakdown_of_a_model_it_does_not_run():
+    proc = subprocess.run([sys.executable, "bench/model_speed.py", "--device", "cpu", "--models", "softmax",
+                           "--host-profile", "nystrom"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "nystrom is not among --models (softmax)" in proc.stderr
 
 
 def test_pinv_speed_times_every_variant_of_the_iteration_and_the_landmark_middle():
