@@ -879,3 +879,118 @@ def test_unreadable_or_misnamed_run_folders_are_named_in_warnings_not_summarised
     summary7 = []
     assert write_summary(tmp_path, [seven], log=summary7.append)["rows"] == []
     assert any(f"RTE-renamed holds run {seven.run_name}; not in the summary" in m for m in summary7), summary7
+
+
+def test_each_epochs_train_loss_is_the_mean_of_that_epochs_batch_losses(fixture_model_dir, monkeypatch):
+    # MRPC's 3 training examples in batches of 2: two batches an epoch (the second of one example), two epochs.
+    batch_losses = []
+    real_loss = NystromformerForSequenceClassification.loss
+
+    def recording_loss(self, logits, labels):  # the real loss, noted as the training loop reads it
+        loss = real_loss(self, logits, labels)
+        batch_losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(NystromformerForSequenceClassification, "loss", recording_loss)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-2, batch_size=2, epochs=2, progress=False,
+                                submission=False)
+    messages = []
+    history = finetune(fixture_model_dir, settings, log=messages.append)["history"]
+    assert len(batch_losses) == 4 and len(set(batch_losses)) == 4  # each batch's loss differs from the others
+    per_epoch = [batch_losses[0:2], batch_losses[2:4]]
+    expected = [sum(losses) / len(losses) for losses in per_epoch]  # the mean over the epoch's batches, no other
+    assert [h["train_loss"] for h in history] == pytest.approx(expected, rel=1e-9, abs=0)
+    logged = [json.loads(line)["train_loss"] for line in
+              log_path(fixture_model_dir / "model", settings).read_text().splitlines()]
+    assert logged == [h["train_loss"] for h in history]
+    for epoch, mean in enumerate(expected, 1):
+        assert any(m.startswith(f"MRPC epoch {epoch}/2: train loss {mean:.4f}, dev ") for m in messages), messages
+
+
+def _tiny_classifier(tokenizer, num_labels: int, seed: int = 0):
+    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
+                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
+                      conv_kernel_size=3, dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return NystromformerForSequenceClassification(cfg, num_labels)
+
+
+def test_dev_outputs_that_are_partly_not_finite_make_that_splits_metrics_nan_not_an_argmax_of_nan(shared_dir):
+    # One diverged row among finite ones: argmax would read its NaN logits as class 0 and give a plausible accuracy.
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner, evaluate
+    from nystromformer.glue.metrics import better_score, split_metrics, task_score
+    from nystromformer.glue.tasks import TASKS, Example
+    from nystromformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    model = _tiny_classifier(tokenizer, 3)
+    matched = [Example("0", "a cat sat", "on the mat", 0), Example("1", "a dog ran", "in the park", 1),
+               Example("2", "a zebra grazed", "in the park", 2), Example("3", "the cat ran", "on the mat", 0)]
+    mismatched = [Example("0", "a dog sat", "in the park", 1), Example("1", "the cat sat", "on the mat", 2)]
+    ids = lambda e: set(tokenizer(e.text_a, e.text_b)["input_ids"])  # noqa: E731
+    zebra = ids(matched[2]) - set().union(*(ids(e) for e in matched[:2] + matched[3:] + mismatched))
+    with torch.no_grad():  # the word only example 2 of matched has: its embedding diverged
+        model.encoder.embeddings.word_embeddings.weight[sorted(zebra)] = float("nan")
+    collate = PadCollator(tokenizer.pad_token_id, False)
+    # One row a batch: the authors' pseudo-inverse init takes its scale over the whole batch, so a NaN row spreads to
+    # its batch mates (nystrom.iterative_pinv); here the other rows stay finite.
+    loaders = {split: DataLoader(EncodedDataset(ex, tokenizer, 32, False), batch_size=1, collate_fn=collate)
+               for split, ex in (("matched", matched), ("mismatched", mismatched))}
+    runner = Runner(model, torch.device("cpu"), False)
+    outputs = runner.predict(loaders["matched"])
+    assert np.isnan(outputs).any(axis=1).tolist() == [False, False, True, False]  # partly, not all
+    finite = runner.predict(loaders["mismatched"])
+
+    labels = {"matched": [e.label for e in matched], "mismatched": [e.label for e in mismatched]}
+    metrics, one_class = evaluate(runner, TASKS["MNLI"], loaders, labels)
+    assert math.isnan(metrics["accuracy_matched"])
+    assert metrics["accuracy_mismatched"] == split_metrics("MNLI", finite.argmax(-1), labels["mismatched"])["accuracy"]
+    assert "matched" not in one_class
+    assert math.isnan(task_score(metrics)) and not better_score(task_score(metrics), 0.0)  # never the best epoch
+
+
+def test_a_model_predicting_one_class_for_a_whole_dev_split_is_warned_about_by_task_epoch_and_split(
+        shared_dir, tmp_path):
+    # MNLI's matched dev rows made identical (their labels differ): any model predicts one class for all of them.
+    # Mismatched keeps one row: a single prediction is no sign of a degenerate classifier.
+    glue = tmp_path / "glue"
+    shutil.copytree(FIXTURES / "MNLI", glue / "MNLI")
+    header, first, *rest = (glue / "MNLI" / "dev_matched.tsv").read_text().splitlines()
+    copies = [first.split("\t") for _ in range(3)]
+    for i, (row, label) in enumerate(zip(copies, ["neutral", "entailment", "contradiction"])):
+        row[0], row[-1] = str(i), label
+    (glue / "MNLI" / "dev_matched.tsv").write_text("\n".join([header] + ["\t".join(r) for r in copies]) + "\n")
+    header, first, *rest = (glue / "MNLI" / "dev_mismatched.tsv").read_text().splitlines()
+    (glue / "MNLI" / "dev_mismatched.tsv").write_text(f"{header}\n{first}\n")
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", glue)
+
+    settings = FinetuneSettings(task="MNLI", checkpoint=0, lr=1e-3, batch_size=2, epochs=2, progress=False,
+                                submission=False)
+    messages = []
+    finetune(model_dir, settings, log=messages.append)
+    warnings = [m for m in messages if "one class" in m]
+    assert warnings == [f"warning: MNLI epoch {epoch}: the model predicts one class for every matched example (a "
+                        f"degenerate classifier: try another learning rate or more epochs)" for epoch in (1, 2)]
+
+
+def test_a_classifier_whose_dev_predictions_differ_is_not_reported_as_predicting_one_class(shared_dir):
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner, evaluate
+    from nystromformer.glue.tasks import TASKS, Example
+    from nystromformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    model = _tiny_classifier(tokenizer, 2)
+    words = ["cat", "dog", "zebra", "house", "river", "green", "seven", "music"]
+    dev = [Example(str(i), f"the {w} is here", "another one", i % 2) for i, w in enumerate(words)]
+    loader = DataLoader(EncodedDataset(dev, tokenizer, 32, False), batch_size=4,
+                        collate_fn=PadCollator(tokenizer.pad_token_id, False))
+    runner = Runner(model, torch.device("cpu"), False)
+    outputs = runner.predict(loader)
+    with torch.no_grad():  # the decision threshold moved to the median margin: half the examples in each class
+        model.classifier.out_proj.bias[1] -= float(np.median(outputs[:, 1] - outputs[:, 0]))
+    predictions = runner.predict(loader).argmax(-1)
+    assert sorted(predictions.tolist()) == [0] * 4 + [1] * 4, predictions
+    _, one_class = evaluate(runner, TASKS["RTE"], {"dev": loader}, {"dev": [e.label for e in dev]})
+    assert one_class == []

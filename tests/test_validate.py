@@ -132,7 +132,7 @@ def test_validating_a_model_folder_that_was_never_pretrained_is_an_error(tmp_pat
 def pretrained_for_one_epoch(tmp_path, **settings):
     write_synthetic_data(tmp_path / "data")
     cfg = tiny_config()
-    cfg["pretraining_setting"].update(epoch=1, **settings)
+    cfg["pretraining_setting"].update({"epoch": 1, **settings})
     folder = write_model_dir(tmp_path / "run", cfg)
     assert pretrain(load_config(folder), show_progress=False) == 0
     return folder
@@ -150,3 +150,27 @@ def test_a_run_without_dev_batches_is_validated_on_one_batch(tmp_path):
     folder = pretrained_for_one_epoch(tmp_path, validate_batches_per_epoch=0)
     [entry] = validate(load_config(folder))
     assert entry["num_sequences"] == 16 and entry["num_masked"] > 0 and entry["loss"] > 0
+
+
+def test_a_checkpoint_whose_weights_diverged_is_named_in_an_error_and_kept_out_of_the_json_log(tmp_path):
+    # A diverged run leaves such checkpoints behind (its error names them) and `validate` takes every checkpoint
+    # not yet validated: a NaN dev loss must not reach the log (strict JSON, like pretraining's: jq, JavaScript),
+    # nor an "MLM accuracy" taken from NaN scores; the healthy checkpoints are still validated and logged.
+    import torch
+
+    from nystromformer import atomic
+    from nystromformer.errors import UserError
+    folder = pretrained_for_one_epoch(tmp_path, epoch=2)
+    cp = folder / "model" / "cp-0000.model"
+    state = torch.load(cp, weights_only=True)
+    state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"][10] = float("nan")  # one word diverged
+    atomic.torch_save(cp, state)
+    with pytest.raises(UserError, match=r"cp-0000.model in .*: the dev loss is not finite \(the weights diverged\); "
+                                        r"not written to validation_output.log, the other 1 checkpoint\(s\) were"):
+        validate(load_config(folder))
+    lines = (folder / "model" / "validation_output.log").read_text().splitlines()
+    entries = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the JSON log")) for line in lines]
+    assert [e["checkpoint"] for e in entries] == ["cp-0001.model"]
+    # Not logged, so a later run tries it again (and says the same) rather than taking it as validated
+    with pytest.raises(UserError, match=r"^cp-0000.model in .*not written to validation_output.log$"):
+        validate(load_config(folder))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from typing import List, Optional
 
@@ -15,6 +16,7 @@ from . import checkpoint, jsonlog
 from .jsonlog import JsonLog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
+from .errors import UserError
 from .mlm import evaluate_fp16_safe
 from .model import NystromformerForMaskedLM
 from .resume import check_data, config_differences
@@ -36,7 +38,10 @@ def validated_checkpoints(cfg: Config) -> set:
 
 def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,
              device: Optional[str] = None) -> List[dict]:
-    """Validate the given checkpoints (default: every one not yet in the log); returns the new entries."""
+    """Validate the given checkpoints (default: every one not yet in the log); returns the new entries.
+
+    A checkpoint whose dev loss is not finite (weights a diverged run left behind) is not logged — the log stays
+    strict JSON and holds no accuracy taken from NaN scores; the others are, and then a ``UserError`` names it."""
     if num_sequences is not None and num_sequences < 1:
         raise ConfigError(f"--num-sequences: must be >= 1, got {num_sequences}")
     rt = setup_runtime(cfg.model.mixed_precision, device)
@@ -52,7 +57,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
         done = validated_checkpoints(cfg)
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
                   if checkpoint.model_path(cfg.checkpoint_dir, e).name not in done]
-    results = []
+    results, diverged = [], []
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
     for epoch in epochs:
         path = checkpoint.find_model(cfg.checkpoint_dir, epoch)
@@ -66,12 +71,20 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
         t0 = time.perf_counter()
         metrics, redone = evaluate_fp16_safe(model, dev, num_sequences, cfg.gpu_setting.inst_per_gpu, ps.seed,
                                              ps.mask_prob, rt.device, rt.autocast_dtype)
+        if not math.isfinite(metrics["loss"]):
+            print(f"{path.name}: dev loss {metrics['loss']}: its weights diverged (not logged)")
+            diverged.append(path.name)
+            continue
         entry = {"checkpoint": path.name, "epoch": epoch, **metrics, "time": time.perf_counter() - t0,
                  **({"precision": "fp32 (fp16 overflowed)"} if redone else {})}
         JsonLog(cfg.checkpoint_dir / LOG_NAME).write(**entry)
         print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f} "
               f"({entry['num_sequences']} sequences)")
         results.append(entry)
+    if diverged:
+        raise UserError(f"{', '.join(diverged)} in {cfg.checkpoint_dir}: the dev loss is not finite (the weights "
+                        f"diverged); not written to {LOG_NAME}" + (f", the other {len(results)} checkpoint(s) were"
+                                                                  if results else ""))
     if not results:
         print(f"nothing to validate in {cfg.checkpoint_dir} (every checkpoint is already in {LOG_NAME})")
     return results
