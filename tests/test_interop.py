@@ -507,3 +507,78 @@ def test_the_exported_config_carries_the_layer_norm_epsilon_and_the_datas_specia
     kwargs = hf_config_kwargs(model_config(layer_norm_eps=1e-7, pad_token_id=5), {"bos": 3, "eos": 4, "pad": 5})
     assert (kwargs["layer_norm_eps"], kwargs["bos_token_id"], kwargs["eos_token_id"], kwargs["pad_token_id"]) == \
         (1e-7, 3, 4, 5)
+
+
+@pytest.mark.parametrize("non_zero_layers, imported_kernel", [([0, 1], 1), ([1], 1), ([], None)],
+                         ids=["every layer's", "one layer's", "none (our export of no conv)"])
+def test_import_reads_a_1x1_conv_as_no_conv_only_when_all_its_weights_are_zero(tmp_path, non_zero_layers,
+                                                                              imported_kernel):
+    hf, src = hf_nystromformer(tmp_path, conv_kernel_size=1)  # random weights: every layer's 1x1 conv non-zero
+    with torch.no_grad():
+        for i, layer in enumerate(hf.nystromformer.encoder.layer):
+            if i not in non_zero_layers:
+                layer.attention.self.conv.weight.zero_()
+    hf.save_pretrained(str(src))
+    import_hf(src, tmp_path / "ours", log=lambda s: None)
+    model = load_imported(tmp_path / "ours")
+    assert model.config.conv_kernel_size == imported_kernel
+    if imported_kernel is not None:
+        for i, layer in enumerate(hf.nystromformer.encoder.layer):
+            assert torch.equal(model.encoder.layers[i].attention.attn.conv.weight, layer.attention.self.conv.weight)
+    ids = token_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_glue_weights_without_a_model_config_export_with_config_json_and_the_position_tables_length(tmp_path):
+    # A fine-tuning run may tile positions beyond the pretraining length: a weights file that does not record its
+    # model_config is read with config.json's settings (here conv 5, 8 landmarks) and max_seq_len from its table.
+    long = SEQ * 2
+    mc = model_config(num_landmarks=8, conv_kernel_size=5, max_seq_len=long)
+    model = randomize(NystromformerForSequenceClassification(mc, 3))
+    folder = write_model_dir(tmp_path / "m", tiny_config(num_landmarks=8, conv_kernel_size=5))  # max_seq_len 32
+    weights = tmp_path / "best.model"
+    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": 3, "task": "MNLI"})
+    out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert (hf_cfg["max_position_embeddings"], hf_cfg["segment_means_seq_len"], hf_cfg["num_landmarks"],
+            hf_cfg["conv_kernel_size"]) == (long, long, 8, 5)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    ids = token_ids(n=long)  # transformers' Nystrom path takes exactly segment_means_seq_len tokens
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=ATOL, rtol=0)
+    # config.json edited since (no conv): the weights without a model_config are refused, naming the weight, rather
+    # than exported as another model; with the model_config fine-tuning records, they export as trained.
+    changed = json.loads((folder / "config.json").read_text())
+    changed["model"]["conv_kernel_size"] = None
+    (folder / "config.json").write_text(json.dumps(changed))
+    with pytest.raises(InteropError, match=r"best.model: encoder.layers.0.attention.attn.conv.weight: not in the "
+                                           r"model; the model settings \(max_seq_len 64, conv_kernel_size None"):
+        export_hf(load_config(folder), tmp_path / "hf2", glue_weights=weights, log=lambda s: None)
+    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": 3, "task": "MNLI",
+                                "model_config": dataclasses.asdict(mc)})
+    out = export_hf(load_config(folder), tmp_path / "hf3", glue_weights=weights, log=lambda s: None)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=ATOL, rtol=0)
+
+
+def test_a_softmax_model_exports_with_a_zero_1x1_conv_whatever_its_conv_kernel_size_and_imports_back_exact(
+        tmp_path):
+    model = ours(attn_type="softmax", conv_kernel_size=5)  # softmax attention has no conv: the setting is unused
+    assert not any(".conv." in k for k in model.state_dict())
+    folder = write_checkpoint(tmp_path, model)
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert (hf_cfg["conv_kernel_size"], hf_cfg["num_landmarks"], hf_cfg["segment_means_seq_len"]) == (1, SEQ, SEQ)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(str(out)).eval()
+    convs = [v for k, v in hf.state_dict().items() if k.endswith("attention.self.conv.weight")]
+    assert len(convs) == 2 and all(c.shape == (4, 1, 1, 1) and not c.any() for c in convs)
+    ids = token_ids(n=SEQ - 7)  # the exact path takes any length, as our softmax attention
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=ATOL, rtol=0)
+    import_hf(out, tmp_path / "back", log=lambda s: None)  # back as exact attention without conv
+    back = load_imported(tmp_path / "back")
+    assert back.config.conv_kernel_size is None and back.config.num_landmarks >= back.config.max_seq_len == SEQ
+    with torch.no_grad():
+        torch.testing.assert_close(back.logits(ids), model.logits(ids), atol=ATOL, rtol=0)

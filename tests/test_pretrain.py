@@ -11,20 +11,22 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from nystromformer import checkpoint, plots
+from nystromformer import checkpoint, plots, shards
 from nystromformer.cli import main
 from nystromformer.config import ConfigError, config_from_dict, load_config
 from nystromformer.mlm import generator, mask_tokens
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
 from nystromformer.pretrain import (MAX_CONSECUTIVE_SKIPPED_STEPS, PREEMPTED_EXIT_CODE, NonFiniteLosses,
                                     TrainingDiverged, build_scheduler, pretrain)
-from nystromformer.shards import ShardError
+from nystromformer.resume import check_resumable_data, data_fingerprint
+from nystromformer.shards import ShardError, ShardedSequences
 from nystromformer.validate import validate
 
-from helpers import SPECIAL, read_log, tiny_config, write_model_dir, write_synthetic_data
+from helpers import FIRST_WORD, SPECIAL, read_log, tiny_config, write_model_dir, write_synthetic_data
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -1044,3 +1046,44 @@ def test_plot_draws_the_loss_and_the_accuracy_of_each_log_in_their_panels(tmp_pa
     for axes, y in drawn:
         panels.setdefault(axes.get_ylabel(), []).append(y)
     assert panels == {"MLM loss": [[4.0], [3.0]], "MLM accuracy": [[0.1], [0.2]]}  # train, then dev
+
+
+def test_a_change_to_the_first_or_last_row_of_any_training_shard_refuses_the_resume(tmp_path, data):
+    # Only the first and last rows of each shard are read (resume.py): a change there, in any shard (the last one
+    # included), is other data.
+    cfg = load_config(model_dir(tmp_path))
+
+    def fingerprint():
+        return data_fingerprint(cfg.data_dir, ShardedSequences(cfg.data_dir, "train"))
+    saved = fingerprint()
+    meta = json.loads((data / "meta.json").read_text())
+    names = [entry["file"] for entry in json.loads((data / "train.json").read_text())["shards"]]
+    assert len(names) == 3  # of 100, 100 and 56 rows
+    for name in names:
+        original = np.load(data / name)
+        for row in (0, len(original) - 1):
+            changed = original.copy()
+            changed[row, 1:-1] = FIRST_WORD + (changed[row, 1:-1] - FIRST_WORD + 1) % (64 - FIRST_WORD)
+            shards.write_shard(data / name, changed, meta)  # same shape and shard list: only that row differs
+            with pytest.raises(ConfigError, match=r"data_folder: .*data is not the data cp-0000.cp was trained "
+                                                  r"on \(the training shards listed in .*data/train.json: their "
+                                                  r"first or last rows differ\)"):
+                check_resumable_data(saved, cfg, fingerprint(), "cp-0000.cp")
+        shards.write_shard(data / name, original, meta)
+    check_resumable_data(saved, cfg, fingerprint(), "cp-0000.cp")  # restored: the same data again
+
+
+
+@pytest.mark.parametrize("key, value", [("datasets", ["wiki", "books"]), ("dev_fraction", 0.01), ("dev_run", 512),
+                                        ("seed", 7), ("shard_size", 50)])
+def test_a_change_to_a_meta_json_build_setting_refuses_the_resume_naming_it(tmp_path, data, key, value):
+    # build-shards records how the token stream was made (shards.py: "a resumed pretraining run checks them");
+    # the rows and shard list stay the same here: only the recorded setting tells the data apart. The tokenizer's
+    # path, which differs between checkouts, is not compared.
+    cfg = load_config(model_dir(tmp_path))
+    saved = data_fingerprint(cfg.data_dir, ShardedSequences(cfg.data_dir, "train"))
+    meta = json.loads((data / "meta.json").read_text())
+    shards.write_meta(data, {**meta, key: value, "tokenizer": "/elsewhere/tokenizers/roberta-base"})
+    with pytest.raises(ConfigError, match=rf"data/meta.json: {key} was null, is {re.escape(json.dumps(value))}\)"):
+        check_resumable_data(saved, cfg, data_fingerprint(cfg.data_dir, ShardedSequences(cfg.data_dir, "train")),
+                             "cp-0000.cp")
