@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -620,3 +621,71 @@ def test_a_tokenizer_folder_with_broken_files_is_an_error_naming_the_folder(tmp_
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")
     with pytest.raises(TokenizerError, match=f"{tmp_path}: unreadable tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def test_of_several_complete_folders_moved_aside_by_killed_swaps_the_newest_is_restored(tmp_path, caplog):
+    # Each crashed swap can leave a complete .old (one whose removal failed stays while the folder is in place; the
+    # next swap killed between its renames leaves another): the one renamed aside last is what was at --output.
+    out = tmp_path / "wiki"
+    newest, stale = tmp_path / ".wiki.aaaaaaaa.old", tmp_path / ".wiki.zzzzzzzz.old"
+    write_wiki(newest, 1000)    # written first, moved aside last: neither its name nor its mtime makes it the newest
+    time.sleep(0.05)
+    write_wiki(stale, 100)
+    expected = file_states(newest)
+    for folder in (stale, newest):  # a rename sets the folder's ctime
+        staging = folder.with_name("staging")
+        folder.rename(staging)
+        time.sleep(0.05)
+        staging.rename(folder)
+    assert stale.lstat().st_ctime_ns < newest.lstat().st_ctime_ns, "a rename did not set the folder's ctime here"
+    assert stale.stat().st_mtime_ns > newest.stat().st_mtime_ns
+    with caplog.at_level("WARNING", logger="nystromformer.data"), pytest.raises(Interrupt):
+        write_wiki(out, 100, interrupted_documents())   # restores before it reads, then fails
+    assert f"restored it from {newest.name}" in caplog.text
+    assert file_states(out) == expected and len(partition_files(out)) == 1
+    assert hidden(tmp_path) == []  # the stale one is removed
+
+
+
+
+def record_renames_and_fsyncs(monkeypatch):
+    """os.rename and os.fsync still do their work; each call is recorded, with the names or the fsynced path."""
+    events, rename, fsync = [], os.rename, os.fsync
+
+    def recorded_rename(src, dst):
+        rename(src, dst)
+        events.append(("rename", Path(src).name, Path(dst).name))
+
+    def recorded_fsync(fd):
+        fsync(fd)
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(os, "rename", recorded_rename)
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    return events
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fsynced file from /proc/self/fd")
+def test_a_swapped_in_or_restored_folder_is_made_durable_by_an_fsync_of_its_parent_before_the_old_one_goes(
+        tmp_path, monkeypatch):
+    out = tmp_path / "wiki"
+    write_wiki(out, 1000)
+    events = record_renames_and_fsyncs(monkeypatch)
+    write_wiki(out, 100)
+    monkeypatch.undo()
+    renames = [i for i, e in enumerate(events) if e[0] == "rename"]
+    [aside, swap_in, to_trash] = renames   # old folder aside, new one in, old one renamed for its removal
+    assert events[aside][1] == "wiki" and events[aside][2].endswith(".old")
+    assert events[swap_in][1].endswith(".partial") and events[swap_in][2] == "wiki"
+    assert events[to_trash][2].endswith(".trash")
+    assert ("fsync", str(tmp_path.resolve())) in events[swap_in + 1:to_trash], events[aside:]
+    assert len(partition_files(out)) == 3
+
+    # The restore of a folder a killed swap had moved aside is made durable in the same way.
+    out.rename(tmp_path / ".wiki.abcd1234.old")
+    events = record_renames_and_fsyncs(monkeypatch)
+    with pytest.raises(Interrupt):
+        write_wiki(out, 1000, interrupted_documents())
+    monkeypatch.undo()
+    restore = events.index(("rename", ".wiki.abcd1234.old", "wiki"))
+    assert events[restore + 1:restore + 2] == [("fsync", str(tmp_path.resolve()))], events
+    assert len(partition_files(out)) == 3

@@ -1,5 +1,6 @@
 """GLUE readers, encoding and submission format: real files from ../shared/data/glue and our own fixtures
 in the official layout (tests/fixtures/glue) for the tasks not shipped there."""
+import json
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from nystromformer.glue.encoding import EncodedDataset, PadCollator
 from nystromformer.glue.submission import format_predictions, read_submission, write_submission
-from nystromformer.glue.tasks import TASKS, GlueDataError, get_task, read_ax, read_split, read_tsv, Columns
+from nystromformer.glue.tasks import TASKS, Example, GlueDataError, get_task, read_ax, read_split, read_tsv, Columns
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "glue"
 
@@ -195,3 +196,57 @@ def test_an_index_repeated_in_a_labelled_file_is_kept_only_test_files_need_uniqu
     path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n0\tc\td\tnot_entailment\n")
     result = read_tsv(path, PAIR, ["entailment", "not_entailment"])
     assert [(e.index, e.label) for e in result.examples] == [("0", 0), ("0", 1)] and result.malformed == []
+
+
+def bert_style_tokenizer(folder):
+    """A tiny BERT-style WordPiece tokenizer in a folder load_tokenizer reads (tokenizer.json): [CLS] a [SEP] b [SEP],
+    segment B typed 1. [PAD] is not id 0 here, so token types padded with the pad id would show."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from nystromformer.tokenizer import load_tokenizer
+
+    vocab = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "the", "cat", "sat", "on", "mat", "a", "dog", "ran"]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+         "mask_token": "[MASK]"}))
+    return load_tokenizer(folder)
+
+
+def test_a_bert_style_tokenizer_types_the_first_sentence_0_and_the_second_1_after_truncation_and_padding(tmp_path):
+    bert = bert_style_tokenizer(tmp_path / "bert")
+    assert bert.pad_token_id == 3
+    examples = [Example("0", "The cat sat on the mat", "a dog", 1),   # 6 + 2 words: the longer side is cut to 3
+                Example("1", "cat", "dog ran", 0)]
+    data = EncodedDataset(examples, bert, max_seq_len=8, with_token_types=True)
+    cls, sep, pad = 1, 2, 3
+    assert data[0]["input_ids"] == [cls, 5, 6, 7, sep, 10, 11, sep]          # [CLS] the cat sat [SEP] a dog [SEP]
+    assert data[0]["token_type_ids"] == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert data[1]["input_ids"] == [cls, 6, sep, 11, 12, sep]
+    assert data[1]["token_type_ids"] == [0, 0, 0, 1, 1, 1]
+
+    batch = PadCollator(bert.pad_token_id, regression=False)([data[1], data[0]])
+    assert batch["input_ids"].tolist() == [[cls, 6, sep, 11, 12, sep, pad, pad], data[0]["input_ids"]]
+    assert batch["attention_mask"].tolist() == [[1] * 6 + [0] * 2, [1] * 8]
+    # The types stay aligned with their tokens; padding is type 0 (a pad id could be past the type embeddings).
+    assert batch["token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 1, 1]]
+    assert batch["token_type_ids"].dtype == torch.long
+
+    # Without token types (a model with one sentence type) no types are made, whatever the tokenizer.
+    plain = EncodedDataset(examples, bert, max_seq_len=8)
+    assert "token_type_ids" not in plain[0]
+    assert "token_type_ids" not in PadCollator(bert.pad_token_id, regression=False)([plain[0], plain[1]])
+
+
+def test_roberta_gives_all_zero_token_types_when_the_model_takes_them(roberta):
+    examples = [Example("0", "A man plays.", "A man is playing a guitar.", 1), Example("1", "Hi.", "Yo.", 0)]
+    data = EncodedDataset(examples, roberta, max_seq_len=64, with_token_types=True)
+    for item in (data[0], data[1]):
+        assert item["token_type_ids"] == [0] * len(item["input_ids"])
+    batch = PadCollator(roberta.pad_token_id, regression=False)([data[0], data[1]])
+    assert batch["token_type_ids"].shape == batch["input_ids"].shape and not batch["token_type_ids"].any()

@@ -174,3 +174,33 @@ def test_make_validate_passes_a_checkpoint_given_on_the_command_line():
         return subprocess.run(["make", "-n", "validate", *args], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout
     assert "--checkpoint 3" in dry("CHECKPOINT=3") and "--checkpoint" not in dry()
+
+
+def test_make_takes_the_finished_wiki_extraction_for_the_dump_and_nothing_else_for_it(tmp_path):
+    dump = tmp_path / "enwiki-deleted-after-extraction.xml.bz2"   # 20 GB, deleted once extracted
+
+    def check_inputs(*args):
+        return subprocess.run(["make", "-s", "check-inputs", f"WORK={tmp_path}", f"WIKI_DUMP={dump}", *args],
+                              cwd=REPO, capture_output=True, text=True)
+
+    says = f"error: WIKI_DUMP={dump}: not found (the wiki input"
+    proc = check_inputs("CORPORA=wiki")
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    # An extraction that was interrupted left its folder but no stamp: it cannot stand in for the dump.
+    (tmp_path / "wiki-extracted" / "AA").mkdir(parents=True)
+    (tmp_path / "wiki-extracted" / "AA" / "wiki_00").write_text('<doc id="1" url="u" title="t">\nt\n')
+    proc = check_inputs("CORPORA=wiki")
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+    # A finished extraction (its stamp) stands in for the dump: the rerun partitions what was extracted.
+    (tmp_path / "completed").mkdir()
+    (tmp_path / "completed" / "wiki-extracted").touch()
+    proc = check_inputs("CORPORA=wiki")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    plan = subprocess.run(["make", "-n", "partitions", "CORPORA=wiki", f"WORK={tmp_path}", f"WIKI_DUMP={dump}"],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "extract-wiki" not in plan and f"preprocess wiki --input {tmp_path}/wiki-extracted" in plan
+
+    # It stands in for the wiki dump only: another corpus's missing input is still an error.
+    proc = check_inputs("CORPORA=wiki bookcorpus", f"BOOKCORPUS={tmp_path / 'books'}")
+    assert proc.returncode == 2 and f"error: BOOKCORPUS={tmp_path / 'books'}: not found" in proc.stderr, proc.stderr
