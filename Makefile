@@ -47,7 +47,7 @@ TASK ?= SST-2
 # GLUE tasks for glue-sweep: all, or comma-separated names (RTE,MRPC,STS-B)
 TASKS ?= all
 BATCH_SIZE ?= 32
-LR ?= 3e-5
+LR ?= 2e-5
 EPOCHS ?= 5
 # glue-sweep's grid (the paper's)
 LRS ?= 2e-5,3e-5,4e-5,5e-5

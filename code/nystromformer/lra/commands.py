@@ -1,7 +1,7 @@
 """``nystromformer listops-generate`` and ``nystromformer listops-train`` (LRA ListOps).
 
     nystromformer listops-generate --out data/listops            # 96k/2k/2k at LRA settings, seeded
-    nystromformer listops-train --data data/listops --out results/listops          # paper scale (GPU)
+    nystromformer listops-train --data data/listops --out results/listops          # paper scale (on a GPU when there is one)
     nystromformer listops-train --generate --train-size 2000 --max-depth 6 --min-length 64 --gen-max-length 256 \\
         --max-length 256 ...                                                     # reduced, e.g. CPU
 
@@ -108,6 +108,8 @@ def add_train_arguments(p):
         flag = "--" + name.replace("_", "-")
         if name == "eval_batches":
             p.add_argument(flag, type=int, default=None, help="dev batches per evaluation (default: all)")
+        elif name == "device":
+            p.add_argument(flag, default=None, help="cpu, cuda or cuda:N (default: cuda when there is a GPU, else cpu)")
         elif name == "time_limit_s":
             p.add_argument(flag, type=float, default=None,
                            help="stop each run's training after this many seconds (then dev + test on the best "

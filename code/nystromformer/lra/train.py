@@ -57,7 +57,7 @@ class RunSettings:
     eval_batches: Optional[int] = None  # None: the whole dev split at every evaluation
     max_length: int = 2000
     seed: int = 0
-    device: str = "cpu"
+    device: Optional[str] = None  # None: cuda when there is a GPU, else cpu (as pretrain and glue)
     time_limit_s: Optional[float] = None  # stop training after this many seconds; the table reports steps run
 
     def __post_init__(self):
