@@ -994,3 +994,18 @@ def test_a_classifier_whose_dev_predictions_differ_is_not_reported_as_predicting
     assert sorted(predictions.tolist()) == [0] * 4 + [1] * 4, predictions
     _, one_class = evaluate(runner, TASKS["RTE"], {"dev": loader}, {"dev": [e.label for e in dev]})
     assert one_class == []
+
+
+def test_a_longer_max_seq_len_that_is_not_a_whole_multiple_of_the_models_is_refused_before_training(
+        fixture_model_dir):
+    # The position embeddings are tiled to a longer length, which needs a whole multiple (the model's is 128);
+    # the refusal names the flag, and comes before any data is read or a run folder made.
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, max_seq_len=192, progress=False, submission=False)
+    with pytest.raises(SettingsError, match=r"^--max-seq-len: 192 is longer than the model's max_seq_len 128 but not "
+                                            r"a whole multiple of it; tiling the position embeddings needs one "
+                                            r"\(e.g. 256\)$"):
+        finetune(fixture_model_dir, settings, log=lambda m: None)
+    assert not run_dir(fixture_model_dir / "model", settings).exists()
+    history = finetune(fixture_model_dir, dataclasses.replace(settings, max_seq_len=256, epochs=1),
+                       log=lambda m: None)["history"]
+    assert len(history) == 1

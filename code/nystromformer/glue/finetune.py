@@ -286,6 +286,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
     tokenizer = load_tokenizer(model_tokenizer(cfg))
     max_seq_len = settings.max_seq_len or cfg.model.max_seq_len
+    if max_seq_len > cfg.model.max_seq_len and max_seq_len % cfg.model.max_seq_len:
+        # Checked here, before the data and the model: else the warm start refuses it later, naming the config key
+        raise SettingsError(f"--max-seq-len: {max_seq_len} is longer than the model's max_seq_len "
+                            f"{cfg.model.max_seq_len} but not a whole multiple of it; tiling the position embeddings "
+                            f"needs one (e.g. {2 * cfg.model.max_seq_len})")
 
     # Data: read everything first, so a bad file fails before any training.
     glue_dir = cfg.glue_dir
