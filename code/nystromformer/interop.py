@@ -610,7 +610,8 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--match-transformers", action="store_true",
                    help="for configs with num_landmarks == segment_means_seq_len (e.g. the released "
                         "nystromformer-512): compute exact softmax, as transformers does")
-    p.add_argument("--max-seq-len", type=int, default=None, help="model.max_seq_len (longer: positions are tiled; shorter: the table is cut)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="model.max_seq_len (longer: positions are tiled; shorter: the table is cut)")
     p.add_argument("--attn-type", choices=("nystrom", "softmax"), default=None)
     p.add_argument("--num-landmarks", type=int, default=None)
     p.add_argument("--conv-kernel-size", type=int, default=None)

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=int, action="append", default=None,
                         help="epoch number of cp-NNNN.model to validate (repeatable; default: all not yet validated)")
     parser.add_argument("--num-sequences", type=int, default=None,
-                        help="dev sequences to use (default: validate_batches_per_epoch x batch_size, at least one batch)")
+                        help="dev sequences to use (default: validate_batches_per_epoch x batch_size, at least one "
+                             "batch)")
     parser.add_argument("--device", default=None)
 
 

@@ -1,7 +1,7 @@
 """``nystromformer listops-generate`` and ``nystromformer listops-train`` (LRA ListOps).
 
     nystromformer listops-generate --out data/listops            # 96k/2k/2k at LRA settings, seeded
-    nystromformer listops-train --data data/listops --out results/listops          # paper scale (on a GPU when there is one)
+    nystromformer listops-train --data data/listops --out results/listops          # paper scale (GPU if any)
     nystromformer listops-train --generate --train-size 2000 --max-depth 6 --min-length 64 --gen-max-length 256 \\
         --max-length 256 ...                                                     # reduced, e.g. CPU
 
