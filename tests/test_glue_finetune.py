@@ -57,6 +57,15 @@ def fixture_model_dir(shared_dir, tmp_path) -> Path:
     return make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", FIXTURES)
 
 
+def _tiny_classifier(tokenizer, num_labels: int, seed: int = 0):
+    """A one-layer random classifier over the tokenizer's vocabulary, for evaluate()-level tests."""
+    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
+                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
+                      conv_kernel_size=3, dropout_prob=0.0)
+    torch.manual_seed(seed)
+    return NystromformerForSequenceClassification(cfg, num_labels)
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     # Two cores shared with other jobs: one thread is faster and keeps the float sums reproducible.
@@ -434,7 +443,6 @@ def test_the_majority_baseline_and_a_classifier_that_predicts_one_class_are_repo
     from nystromformer.glue.encoding import EncodedDataset, PadCollator
     from nystromformer.glue.finetune import Runner, evaluate, majority_baseline
     from nystromformer.glue.tasks import TASKS, Example
-    from nystromformer.model import NystromformerForSequenceClassification
     from nystromformer.tokenizer import load_tokenizer
 
     rte = TASKS["RTE"]
@@ -444,10 +452,7 @@ def test_the_majority_baseline_and_a_classifier_that_predicts_one_class_are_repo
     assert majority_baseline(TASKS["STS-B"], train, dev_labels) is None
 
     tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
-    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
-                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
-                      conv_kernel_size=3)
-    model = NystromformerForSequenceClassification(cfg, 2)
+    model = _tiny_classifier(tokenizer, 2)
     with torch.no_grad():  # a degenerate classifier: class 0 whatever the input
         model.classifier.out_proj.weight.zero_()
         model.classifier.out_proj.bias.copy_(torch.tensor([1.0, 0.0]))
@@ -463,14 +468,10 @@ def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
     from nystromformer.glue.encoding import EncodedDataset, PadCollator
     from nystromformer.glue.finetune import Runner
     from nystromformer.glue.tasks import Example
-    from nystromformer.model import NystromformerForSequenceClassification
     from nystromformer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
-    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
-                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
-                      conv_kernel_size=3)
-    model = NystromformerForSequenceClassification(cfg, 2)
+    model = _tiny_classifier(tokenizer, 2)
     with torch.no_grad():
         model.classifier.out_proj.weight.fill_(1e7)  # weights and logits beyond fp16's 65504
     dev = [Example(str(i), f"sentence {i}", "another one", 0) for i in range(3)]
@@ -905,14 +906,6 @@ def test_each_epochs_train_loss_is_the_mean_of_that_epochs_batch_losses(fixture_
     assert logged == [h["train_loss"] for h in history]
     for epoch, mean in enumerate(expected, 1):
         assert any(m.startswith(f"MRPC epoch {epoch}/2: train loss {mean:.4f}, dev ") for m in messages), messages
-
-
-def _tiny_classifier(tokenizer, num_labels: int, seed: int = 0):
-    cfg = ModelConfig(vocab_size=len(tokenizer), max_seq_len=32, embedding_dim=16, transformer_dim=16,
-                      transformer_hidden_dim=32, num_layers=1, num_head=2, head_dim=8, num_landmarks=4,
-                      conv_kernel_size=3, dropout_prob=0.0)
-    torch.manual_seed(seed)
-    return NystromformerForSequenceClassification(cfg, num_labels)
 
 
 def test_dev_outputs_that_are_partly_not_finite_make_that_splits_metrics_nan_not_an_argmax_of_nan(shared_dir):
