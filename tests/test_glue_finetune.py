@@ -582,6 +582,7 @@ def test_a_single_sentence_task_needs_three_tokens_a_pair_task_six(tmp_path, cap
     (["--checkpoint", "7"], "no checkpoint cp-0007.model in "),
     (["--checkpoint", "0", "--device", "gpu"], "--device gpu: not a device"),
     (["--checkpoint", "0", "--lrs", "nan"], "--lr: must be a positive number, got nan"),
+    (["--checkpoint", "0", "--max-seq-len", "192"], "--max-seq-len: 192 is longer than the model's max_seq_len 128"),
 ])
 def test_a_sweep_that_would_fail_every_run_is_one_error_line_before_the_first(fixture_model_dir, capsys, flags,
                                                                                named):
@@ -851,6 +852,35 @@ def test_a_parallel_sweep_gives_each_run_a_free_device_and_reports_every_failed_
     assert sorted(running) == ["a", "b"] and reused_busy == [False, False, False]
     assert sorted(outcome["failed"]) == sorted(s.run_name for s in runs)
     assert sum(m.startswith("FAILED MRPC-0-") and "(exit 3); see" in m for m in messages) == 3, messages
+
+
+def test_a_sweep_given_one_device_runs_every_run_on_it_and_by_default_one_gpu_runs_them_in_process(
+        fixture_model_dir, monkeypatch, capsys):
+    import torch
+
+    import nystromformer.glue.sweep as sweep
+    from nystromformer.cli import main
+    real_popen, children = subprocess.Popen, []
+
+    def failing_run(cmd, env, **kwargs):  # a real child, failing at once: the device it was given is what counts
+        children.append(env["CUDA_VISIBLE_DEVICES"])
+        return real_popen([sys.executable, "-c", "import sys; sys.exit(3)"], env=env, **kwargs)
+
+    monkeypatch.setattr(sweep.subprocess, "Popen", failing_run)
+    flags = ["--tasks", "MRPC", "--checkpoint", "0", "--epochs", "1", "--batch-sizes", "2", "--device", "cpu",
+             "--max-train-examples", "8", "--max-eval-examples", "8", "--no-progress", "--no-submission",
+             "--model-dir", str(fixture_model_dir)]
+    # --devices 2: one run at a time, each in a process that sees only that GPU (not this process's --device)
+    assert main(["glue-sweep", "--devices", "2", "--lrs", "1e-3,2e-3", *flags]) == 1
+    assert children == ["2", "2"]
+    assert "running 2 run(s) on CUDA_VISIBLE_DEVICES 2" in capsys.readouterr().out
+    # No --devices and one GPU: the runs go in this process, on --device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["glue-sweep", "--lrs", "3e-3", *flags]) == 0
+    assert children == ["2", "2"]
+    assert (run_dir(fixture_model_dir / "model", grid(["MRPC"], lrs=[3e-3], batch_sizes=[2], checkpoint=0, epochs=1,
+                                                      max_train_examples=8, max_eval_examples=8)[0])
+            / "result.json").is_file()
 
 
 def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():

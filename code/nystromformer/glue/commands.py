@@ -97,17 +97,20 @@ def _ints(text: str) -> List[int]:
 
 def cmd_glue_sweep(args: argparse.Namespace) -> int:
     tasks = list(TASKS) if args.tasks.lower() == "all" else [t for t in args.tasks.split(",") if t]
+    # Given devices, even one, are honoured (each run a process that sees only its device); by default several
+    # visible GPUs run in parallel, and one GPU (or none) runs the grid in this process on --device.
     devices = args.devices.split(",") if args.devices else None
     if devices is None:
         import torch
-        devices = [str(i) for i in range(torch.cuda.device_count())] or None
+        count = torch.cuda.device_count()
+        devices = [str(i) for i in range(count)] if count > 1 else None
     for flag, values in (("--tasks", tasks), ("--lrs", args.lrs), ("--batch-sizes", args.batch_sizes)):
         if not values:
             raise SettingsError(f"{flag}: give at least one value")
     base = settings_from_args(args, task=tasks[0], lr=args.lrs[0], batch_size=args.batch_sizes[0])
     common = {k: v for k, v in vars(base).items() if k not in ("task", "lr", "batch_size")}
-    # Parallel workers write to log files; bars from several processes would interleave.
-    if devices and len(devices) > 1:
+    # Runs in processes of their own write their console to files (console.txt): no bars there.
+    if devices:
         common["progress"] = False
     outcome = run_sweep(args.model_dir, grid(tasks, args.lrs, args.batch_sizes, **common), devices)
     summary = outcome["summary"]
@@ -130,8 +133,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated batch sizes (default 16,32)")
     p.add_argument("--epoch", "--epochs", dest="epoch", type=int, default=PAPER_EPOCHS)
     p.add_argument("--devices", default=None,
-                   help="comma-separated CUDA_VISIBLE_DEVICES values, one parallel run each "
-                        "(default: every visible GPU; sequential with fewer than two)")
+                   help="comma-separated CUDA_VISIBLE_DEVICES values, one parallel run each, every run a "
+                        "process of its own (default: every visible GPU when there are several; with one or none, "
+                        "the runs go one after another in this process on --device)")
     _add_common(p)
 
 

@@ -272,6 +272,18 @@ def _load_examples(glue_dir: Path, task: Task, split: str, log, skipped: Dict[st
     return result.examples
 
 
+def check_max_seq_len(cfg, max_seq_len: Optional[int]) -> int:
+    """The run's input length (``--max-seq-len``, default the model's). Checked before the data and the model (and
+    by a sweep before its first run): else the warm start refuses it later, naming the config key instead."""
+    model_len = cfg.model.max_seq_len
+    max_seq_len = max_seq_len or model_len
+    if max_seq_len > model_len and max_seq_len % model_len:
+        raise SettingsError(f"--max-seq-len: {max_seq_len} is longer than the model's max_seq_len {model_len} but "
+                            f"not a whole multiple of it; tiling the position embeddings needs one (e.g. "
+                            f"{2 * model_len})")
+    return max_seq_len
+
+
 def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = print) -> dict:
     """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
 
@@ -285,12 +297,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
     tokenizer = load_tokenizer(model_tokenizer(cfg))
-    max_seq_len = settings.max_seq_len or cfg.model.max_seq_len
-    if max_seq_len > cfg.model.max_seq_len and max_seq_len % cfg.model.max_seq_len:
-        # Checked here, before the data and the model: else the warm start refuses it later, naming the config key
-        raise SettingsError(f"--max-seq-len: {max_seq_len} is longer than the model's max_seq_len "
-                            f"{cfg.model.max_seq_len} but not a whole multiple of it; tiling the position embeddings "
-                            f"needs one (e.g. {2 * cfg.model.max_seq_len})")
+    max_seq_len = check_max_seq_len(cfg, settings.max_seq_len)
 
     # Data: read everything first, so a bad file fails before any training.
     glue_dir = cfg.glue_dir

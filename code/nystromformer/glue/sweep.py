@@ -33,8 +33,8 @@ from .. import atomic
 from ..checkpoint import find_model
 from ..config import load_config
 from ..runtime import resolve_device
-from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_task_folder, finetune,
-                       is_finished, read_result, run_dir)
+from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_max_seq_len, check_task_folder,
+                       finetune, is_finished, read_result, run_dir)
 from .metrics import better_score
 from .tasks import TASKS, GlueDataError, get_task, submission_file_names
 
@@ -143,8 +143,9 @@ def _stop_on_sigterm(signum, frame):
 
 def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices: Optional[List[str]] = None,
               log: Callable[[str], None] = print) -> dict:
-    """Run every unfinished run, then write the summary. ``devices``: CUDA_VISIBLE_DEVICES values, one
-    worker each (parallel); None or a single device runs sequentially in this process.
+    """Run every unfinished run, then write the summary. ``devices``: CUDA_VISIBLE_DEVICES values, one worker
+    each, every run in a process of its own that sees only its device (a single value: one run at a time on that
+    device); None runs them one after another in this process, on ``--device``.
     Returns {"summary": write_summary(...), "ran": [...], "skipped": [...], "failed": [...]} (run names)."""
     model_dir = Path(model_dir)
     if not runs:
@@ -162,6 +163,7 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         if runs[0].device is not None:
             resolve_device(runs[0].device)
         find_model(checkpoint_dir, runs[0].checkpoint)
+        check_max_seq_len(cfg, runs[0].max_seq_len)
         for task in dict.fromkeys(s.task for s in pending):
             try:
                 check_task_folder(cfg, get_task(task))
@@ -169,8 +171,8 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
                 raise GlueDataError(f"{e}; or leave {task} out of --tasks") from None
     failed: List[str] = []
 
-    if devices and len(devices) > 1:
-        log(f"running {len(pending)} run(s) on devices {', '.join(devices)}, one per device")
+    if devices:
+        log(f"running {len(pending)} run(s) on CUDA_VISIBLE_DEVICES {', '.join(devices)}, one per device at a time")
         free = queue.Queue()
         for d in devices:
             free.put(d)
