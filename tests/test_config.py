@@ -68,11 +68,18 @@ def test_errors_from_files_name_the_file(tmp_path):
     (tmp_path / "config.json").write_text('{"model": {,}}')
     with pytest.raises(ConfigError, match=r"not valid JSON \(line 1"):
         load_config(tmp_path)
-    with pytest.raises(ConfigError, match="no config file"):
-        load_config(tmp_path / "elsewhere")
     (tmp_path / "config.json").write_bytes(b'{\n"model": {"attn_type": "nystr\xf6m"}}')  # Latin-1, not UTF-8
     with pytest.raises(ConfigError, match=r"config.json: not UTF-8 \(line 2"):
         load_config(tmp_path)
+
+def test_a_missing_model_folder_or_config_file_is_named_for_what_it_is(tmp_path):
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'elsewhere'}: no such model folder$"):
+        load_config(tmp_path / "elsewhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=f"^{tmp_path / 'empty'}: no config.json in this model folder$"):
+        load_config(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=f"^no config file at {tmp_path / 'other.json'}$"):
+        load_config(tmp_path / "other.json")
 
 
 def test_a_reformer_bucket_longer_than_the_sequence_is_rejected():

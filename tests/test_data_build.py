@@ -401,6 +401,8 @@ def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_t
     assert f"the dev split holds {stats['dev_sequences']} of {total} sequences" in warning
     assert "whole runs of --dev-run 8192 consecutive sequences" in warning and "--dev-run" in caplog.text
     smaller = int(warning.rsplit("--dev-run ", 1)[1].split()[0])
+    # make's users set DEV_RUN, and the folder keeps the settings it was built with
+    assert f"(make: DEV_RUN={smaller}), into a new folder or after deleting this one" in warning
     rebuilt = build(partitions, trained_tokenizer, tmp_path / "smaller", datasets=("wiki", "stories"), seq_len=16,
                     dev_run=smaller)
     assert rebuilt["warnings"] == [] and 0.05 < rebuilt["dev_sequences"] / total < 0.15

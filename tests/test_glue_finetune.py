@@ -161,6 +161,10 @@ def test_sweep_writes_a_summary_and_skips_finished_runs_when_rerun(fixture_model
     markdown = Path(summary["markdown"]).read_text()
     assert "1 of the 11 files gluebenchmark.com expects" in markdown
     assert "* missing CoLA.tsv (no finished CoLA run)" in markdown
+    # The settings the runs share, each as a value a reader can take in ("the model's" length, not None)
+    assert f"Dev scores ×100 of the 2 finished run(s) of checkpoint 0 in {fixture_model_dir / 'model' / 'glue'} " \
+           f"made with " in markdown
+    assert "max_seq_len=the model's" in markdown and "max_train_examples=all" in markdown and "=None" not in markdown
     assert summary["best_per_task"] == {"MRPC": best} and summary["average"] == best["score"]
     assert summary["average_tasks"] == ["MRPC"] and summary["glue_average"] is None  # one task is not GLUE
     assert "Average of the best per task over MRPC (1 of 9 GLUE tasks" in markdown
@@ -362,7 +366,10 @@ def test_an_absent_test_file_is_reported_and_a_rerun_writes_only_that_submission
     assert result["submission_missing"] == ["AX.tsv"] and result["submission_errors"] == []
     assert any(m.startswith("no AX.tsv submission: no diagnostic (AX) file under") for m in messages)
     out = run_dir(model_dir / "model", settings)
-    assert run_sweep(model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]  # still absent: finished
+    still_absent = run_sweep(model_dir, [settings], log=quiet)
+    assert still_absent["skipped"] == [settings.run_name]  # still absent: finished
+    assert ("* missing AX.tsv (MNLI's best run MNLI-0-0.001-2-1: its test file was absent; rerun it once the file "
+            "is there)") in Path(still_absent["summary"]["markdown"]).read_text()
 
     shutil.copytree(FIXTURES / "diagnostic", glue / "diagnostic")
     trained = (out / "best.model").stat().st_mtime_ns
@@ -397,6 +404,10 @@ def test_a_test_file_that_is_there_but_unusable_fails_the_run(shared_dir, tmp_pa
     # Trained and recorded: a rerun after fixing the file redoes only the submission.
     result = json.loads((model_dir / "model" / "glue" / "MRPC-0-0.001-2-1" / "result.json").read_text())
     assert result["submission_errors"]
+    run = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    summary = write_summary(model_dir / "model", [run], log=quiet)
+    assert ("* missing MRPC.tsv (MRPC's best run MRPC-0-0.001-2-1: its test file could not be used: see "
+            "submission_errors in its result.json)") in Path(summary["markdown"]).read_text()
 
 
 def test_a_diverged_run_is_an_error_recorded_as_finished_without_a_submission_of_nan_predictions(fixture_model_dir):
@@ -413,7 +424,10 @@ def test_a_diverged_run_is_an_error_recorded_as_finished_without_a_submission_of
     assert result["diverged"] and math.isnan(result["best_score"]) and not (out / "submission").exists()
     # (NaN logits would argmax to class 0: a dev accuracy that means nothing; the scores are NaN instead.)
     assert all(math.isnan(v) for epoch in result["history"] for v in epoch["dev"].values())
-    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]  # rerun: same end
+    rerun = run_sweep(fixture_model_dir, [settings], log=quiet)
+    assert rerun["skipped"] == [settings.run_name]  # rerun: same end
+    assert "* missing MRPC.tsv (MRPC's best run MRPC-0-0.001-2-2: diverged, no submission)" in \
+        Path(rerun["summary"]["markdown"]).read_text()
 
 
 def test_the_collected_submission_does_not_depend_on_the_directory_a_sweep_is_run_from(fixture_model_dir,

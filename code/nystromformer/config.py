@@ -321,9 +321,14 @@ def config_from_dict(data: dict, model_dir: Union[str, Path] = ".") -> Config:
 def load_config(path: Union[str, Path]) -> Config:
     """Load ``config.json`` from a model folder (or the file itself) and validate it."""
     path = Path(path)
+    # Absolute paths in the errors: a relative name says nothing inside a container's working folder
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():  # absolute: a relative name says nothing inside a container's working folder
+        if not path.is_file():
+            raise ConfigError(f"{path.parent.absolute()}: no config.json in this model folder")
+    elif not path.exists() and not path.suffix:
+        raise ConfigError(f"{path.absolute()}: no such model folder")
+    if not path.is_file():
         raise ConfigError(f"no config file at {path.absolute()}")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)

@@ -262,8 +262,9 @@ def dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int) -
     if smaller >= dev_run:  # already per sequence, or nearly: too few sequences for any split to come out right
         return f"{holds}: too few sequences ({total}) for the fraction to come out right"
     return (f"{holds}: it takes whole runs of --dev-run {dev_run} consecutive sequences, and this build has only ~"
-            f"{max(1, -(-total // dev_run))} of them; for data this small build again into a new folder with "
-            f"--dev-run {smaller}" + (" or less" if smaller > 1 else ""))
+            f"{max(1, -(-total // dev_run))} of them; for data this small build again with --dev-run {smaller}"
+            + (" or less" if smaller > 1 else "") + f" (make: DEV_RUN={smaller}), into a new folder or after deleting "
+            f"this one (a folder keeps the settings it was built with)")
 
 
 def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,

@@ -309,9 +309,12 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
         return lines
 
     shared = shared_settings(runs[0])
+    described = {k: ("the model's" if k == "max_seq_len" and v is None else
+                     "all" if k in ("max_train_examples", "max_eval_examples") and v is None else v)
+                 for k, v in shared.items()}
     md = ["# GLUE sweep", "", f"Dev scores ×100 of the {len(rows)} finished run(s) of checkpoint "
-          f"{runs[0].checkpoint}{runs[0].run_suffix} in {Path(checkpoint_dir) / 'glue'} made with "
-          f"{', '.join(f'{k}={v}' for k, v in shared.items())}. score = mean of the task's metrics.", "",
+          f"{runs[0].checkpoint} in {Path(checkpoint_dir) / 'glue'} made with "
+          f"{', '.join(f'{k}={v}' for k, v in described.items())}. score = mean of the task's metrics.", "",
           "## Best configuration per task", "",
           *table(list(best_per_task.values())), ""]
     if average is not None:
@@ -359,8 +362,14 @@ def collect_submission(checkpoint_dir: Path, results: List[tuple], best_per_task
             if best is None:
                 lacking.append(f"{name} (no finished {task.name} run)")
             else:
-                why = ("made with --no-submission" if not settings.submission
-                       else "its test file was absent or unusable: see its result.json")
+                if not settings.submission:
+                    why = "made with --no-submission"
+                elif name in result.get("submission_missing", []):
+                    why = "its test file was absent; rerun it once the file is there"
+                elif result.get("diverged"):
+                    why = "diverged, no submission"
+                else:
+                    why = "its test file could not be used: see submission_errors in its result.json"
                 lacking.append(f"{name} ({task.name}'s best run {best['run']}: {why})")
     total = sum(len(submission_file_names(t)) for t in TASKS.values())
     lines += ["## Leaderboard submission", "",
