@@ -71,13 +71,18 @@ def test_masking_follows_80_10_10_and_never_touches_special_tokens():
     assert torch.equal(inputs, again)
 
 
-def test_mlm_loss_falls_on_a_learnable_corpus(tmp_path, data):
+def test_mlm_loss_falls_on_a_learnable_corpus(tmp_path, data, capsys):
     folder = model_dir(tmp_path, model={"dropout_prob": 0.0},
                        pretraining_setting={"batches_per_epoch": 50, "epoch": 3, "learning_rate": 3e-3})
     assert run(folder) == 0
     dev = read_log(folder / "model" / "pretrain_output.log", "dev")
     assert dev[-1]["loss"] < dev[0]["loss"] - 0.5
     assert dev[-1]["mlm_accu"] > 0.2  # chance is 1/59
+    # ... and above the bar of always predicting the commonest masked token, which validation reports beside it
+    assert 0 < dev[-1]["commonest_token_accu"] < dev[-1]["mlm_accu"]
+    validate(load_config(folder), epochs=[2])
+    out = capsys.readouterr().out
+    assert f"(commonest token: {dev[-1]['commonest_token_accu']:.4f}), " in out and "no better" not in out
     assert sorted(p.name for p in (folder / "model").glob("cp-*")) == [
         f"cp-{e:04d}.{ext}" for e in range(3) for ext in ("cp", "model")]
 

@@ -174,3 +174,45 @@ def test_a_checkpoint_whose_weights_diverged_is_named_in_an_error_and_kept_out_o
     # Not logged, so a later run tries it again (and says the same) rather than taking it as validated
     with pytest.raises(UserError, match=r"^cp-0000.model in .*not written to validation_output.log$"):
         validate(load_config(folder))
+
+
+def test_validation_reports_the_commonest_token_bar_and_says_when_a_model_does_not_clear_it(trained, capsys):
+    from collections import Counter
+
+    import numpy as np
+    import torch
+
+    from nystromformer import atomic
+    from nystromformer.mlm import STREAM_DEV_MASK, generator, mask_tokens
+    from nystromformer.shards import ShardedSequences
+    cfg = load_config(trained)
+    ps = cfg.pretraining_setting
+    (first,) = validate(cfg, epochs=[1], num_sequences=32)
+    # The bar: always predicting the commonest token of the (fixed) dev masks, counted here from those masks
+    dev = ShardedSequences(cfg.data_dir, "dev")
+    counts = Counter()
+    for row in range(32):
+        ids = torch.from_numpy(dev.rows(np.array([row])))
+        _, labels = mask_tokens(ids, generator(ps.seed, STREAM_DEV_MASK, row), ps.mask_prob,
+                                dev.meta["special_tokens"], dev.meta["vocab_size"])
+        counts.update(labels[labels != -100].tolist())
+    masked = sum(counts.values())
+    bar = counts.most_common(1)[0][1] / masked
+    assert first["num_masked"] == masked and first["commonest_token_accu"] == bar
+    # A model that predicts one token everywhere scores that token's share: the bar for the commonest one, less
+    # for another; either way the console says it has not cleared the bar.
+    path = trained / "model" / "cp-0001.model"
+    weights = torch.load(path, weights_only=True)
+    for token, count in (counts.most_common()[0], counts.most_common()[-1]):
+        state = {**weights, "model_state_dict": dict(weights["model_state_dict"])}
+        state["model_state_dict"]["mlm_head.bias"] = weights["model_state_dict"]["mlm_head.bias"].clone()
+        state["model_state_dict"]["mlm_head.bias"][token] = 1e4
+        atomic.torch_save(path, state)
+        capsys.readouterr()
+        (collapsed,) = validate(cfg, epochs=[1], num_sequences=32)
+        assert collapsed["mlm_accu"] == count / masked and collapsed["commonest_token_accu"] == bar
+        assert (f"MLM accuracy {count / masked:.4f} (commonest token: {bar:.4f}; no better than always predicting "
+                f"it: the model has not learnt, or has collapsed, to one token), 32 sequences") in \
+            capsys.readouterr().out
+    logged = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
+    assert [e["commonest_token_accu"] for e in logged] == [bar] * 3

@@ -94,13 +94,16 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
              seed: int, mask_prob: float, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
              rank: int = 0, world_size: int = 1) -> Dict[str, float]:
     """MLM loss and accuracy on the first ``num_sequences`` dev sequences with fixed masks (the same
-    masks for every checkpoint, so validation curves compare like with like)."""
+    masks for every checkpoint, so validation curves compare like with like), and ``commonest_token_accu``: the
+    accuracy of always predicting the commonest token of those masked positions, the bar a model must clear to
+    have learnt more than one token (a stalled or collapsed model sits on it)."""
     special = data.meta["special_tokens"]
     vocab_size = data.meta["vocab_size"]
     num_sequences = min(num_sequences, len(data))
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, masked, correct
+    label_counts = torch.zeros(vocab_size, dtype=torch.int64)  # of the masked positions, counted on the host
     starts = range(rank * micro_batch, num_sequences, micro_batch * world_size)
     for start in starts:
         rows = np.arange(start, min(start + micro_batch, num_sequences))
@@ -109,6 +112,7 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
         masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special, vocab_size)
                   for i, r in enumerate(rows)]
         inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
+        label_counts += torch.bincount(labels[labels != -100], minlength=vocab_size)
         attention_mask = padding_mask(inputs, special["pad"])
         inputs, labels, attention_mask, positions = to_device((inputs, labels, attention_mask,
                                                                masked_positions_of(labels)), device)
@@ -117,10 +121,22 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
         totals += torch.stack([out.loss_sum.double(), out.num_masked.double(), out.num_correct.double()])
     if world_size > 1:
         torch.distributed.all_reduce(totals)
+        label_counts = label_counts.to(device)
+        torch.distributed.all_reduce(label_counts)
     model.train(was_training)
     loss_sum, masked, correct = totals.tolist()
     return {"loss": loss_sum / max(masked, 1), "mlm_accu": correct / max(masked, 1),
+            "commonest_token_accu": int(label_counts.max()) / max(masked, 1),
             "num_sequences": num_sequences, "num_masked": int(masked)}
+
+
+def accuracy_note(metrics: Dict[str, float]) -> str:
+    """The console's words for a dev accuracy beside the commonest-token bar."""
+    bar = metrics["commonest_token_accu"]
+    note = f" (commonest token: {bar:.4f}"
+    if metrics["mlm_accu"] <= bar:
+        note += "; no better than always predicting it: the model has not learnt, or has collapsed, to one token"
+    return note + ")"
 
 
 def evaluate_fp16_safe(model: torch.nn.Module, data: ShardedSequences, num_sequences: int, micro_batch: int,

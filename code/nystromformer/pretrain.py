@@ -34,8 +34,8 @@ from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
 from .jsonlog import JsonLog
-from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, derived_seed, evaluate_fp16_safe, generator,
-                  mask_tokens, micro_batches, padding_mask, to_device)
+from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed, evaluate_fp16_safe,
+                  generator, mask_tokens, micro_batches, padding_mask, to_device)
 from .model import NystromformerForMaskedLM, masked_positions_of
 from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
                      check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
@@ -242,7 +242,8 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
                                                      ckpt_dir, ps.batches_per_epoch))
         log.write(type="dev", epoch=epoch, step=step, **metrics)
-        say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}{note}")
+        say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}"
+            f"{accuracy_note(metrics)}{note}")
 
     step = 0
     nonfinite = NonFiniteLosses(scaler.is_enabled(), ckpt_dir, ps.batches_per_epoch)

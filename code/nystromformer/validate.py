@@ -17,7 +17,7 @@ from .jsonlog import JsonLog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
-from .mlm import evaluate_fp16_safe
+from .mlm import accuracy_note, evaluate_fp16_safe
 from .model import NystromformerForMaskedLM
 from .resume import check_data, config_differences
 from .runtime import setup_runtime
@@ -78,8 +78,8 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
         entry = {"checkpoint": path.name, "epoch": epoch, **metrics, "time": time.perf_counter() - t0,
                  **({"precision": "fp32 (fp16 overflowed)"} if redone else {})}
         JsonLog(cfg.checkpoint_dir / LOG_NAME).write(**entry)
-        print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f} "
-              f"({entry['num_sequences']} sequences)")
+        print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f}"
+              f"{accuracy_note(entry)}, {entry['num_sequences']} sequences")
         results.append(entry)
     if diverged:
         raise UserError(f"{', '.join(diverged)} in {cfg.checkpoint_dir}: the dev loss is not finite (the weights "
