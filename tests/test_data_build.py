@@ -191,6 +191,15 @@ def test_sampling_ratios_outside_zero_to_one_are_refused(partitions, ratio):
         parse_dataset(f"{partitions / 'wiki'}:{ratio}")
 
 
+def test_a_ratio_that_is_not_a_number_is_named_as_such_and_a_colon_in_a_folder_name_still_works(partitions,
+                                                                                                  tmp_path):
+    with pytest.raises(BuildError, match=rf"wiki:abc: 'abc' is not a sampling ratio \(a number in \(0, 1\], e.g. "
+                                         rf"{partitions / 'wiki'}:0.333\)"):
+        parse_dataset(f"{partitions / 'wiki'}:abc")
+    (tmp_path / "wiki:v2").mkdir()
+    assert parse_dataset(str(tmp_path / "wiki:v2")).folder == tmp_path / "wiki:v2"
+
+
 @pytest.mark.parametrize("changed, key", [
     ({"seq_len": 32}, "max_seq_len"), ({"seed": 1}, "seed"), ({"dev_fraction": 0.2}, "dev_fraction"),
     ({"shard_size": 9}, "shard_size"), ({"dev_run": 2}, "dev_run"),

@@ -94,7 +94,20 @@ def test_a_file_that_is_no_wiki_dump_is_an_error_after_wikiextractor_finds_no_ar
 
 
 def test_a_failing_wikiextractor_fails_the_command_with_its_exit_status(tmp_path, caplog):
-    dump = tmp_path / "damaged.xml.bz2"
-    dump.write_bytes(b"not bzip2 data")  # wikiextractor's reader raises: a crash make must not stamp as done
+    import bz2
+    dump = tmp_path / "truncated.xml.bz2"
+    whole = bz2.compress(b"<mediawiki>" + b"<page><title>A</title></page>" * 2000)
+    dump.write_bytes(whole[: len(whole) // 2])  # a cut download: wikiextractor's reader raises, make must not stamp
     assert run_command(["extract-wiki", "--dump", dump, "--output", tmp_path / "out", "--processes", 1]) == 1
-    assert f"wikiextractor failed on {dump} with exit code 1" in caplog.text
+    assert f"wikiextractor failed on {dump} with exit code 1 (its message is above; a damaged or truncated " \
+           f"download? `bzip2 -t {dump}` checks a .bz2 file)" in caplog.text
+
+
+def test_a_dump_named_bz2_that_is_not_bzip2_data_is_one_error_line_before_wikiextractor_runs(tmp_path, capsys):
+    dump = tmp_path / "enwiki-latest-pages-articles.xml.bz2"
+    dump.write_bytes(b"<html>404 Not Found</html>")
+    assert run_command(["extract-wiki", "--dump", dump, "--output", tmp_path / "out", "--processes", 1]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {dump}: not bzip2 data (a .bz2 file begins with 'BZh', this one with b'<ht'): an "
+                   f"incomplete download, or a web page saved under the dump's name?\n")
+    assert not (tmp_path / "out").exists()

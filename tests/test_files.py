@@ -103,6 +103,35 @@ def test_a_shard_whose_rows_differ_from_its_index_entry_is_an_error_naming_both(
         ShardedSequences(tmp_path, "train")
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda m: m.pop("dtype"), r'meta.json: dtype: expected "uint16" or "uint32", got null'),
+    (lambda m: m.update(dtype="int17"), r'meta.json: dtype: expected "uint16" or "uint32", got "int17"'),
+    (lambda m: m.pop("max_seq_len"), r"meta.json: max_seq_len: expected a positive integer, got null"),
+    (lambda m: m.update(vocab_size="64"), r'meta.json: vocab_size: expected a positive integer, got "64"'),
+    (lambda m: m["special_tokens"].pop("mask"), r"meta.json: special_tokens: mask missing, or not a token id below "
+                                                r"vocab_size \(64\)"),
+    (lambda m: m.update(special_tokens=[1, 2]), r"meta.json: special_tokens: expected an object with bos, eos"),
+])
+def test_a_hand_edited_meta_json_is_an_error_naming_the_file_and_key(tmp_path, edit, says):
+    write_synthetic_data(tmp_path)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    edit(meta)
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ShardError, match=says):
+        ShardedSequences(tmp_path, "train")
+
+
+@pytest.mark.parametrize("entry", [{"name": "train-00000.npy", "num_sequences": 100}, "train-00000.npy",
+                                   {"file": "train-00000.npy"}])
+def test_a_hand_edited_split_index_entry_is_an_error_naming_the_file_and_entry(tmp_path, entry):
+    write_synthetic_data(tmp_path, num_train=200, shard_size=100)
+    index = json.loads((tmp_path / "train.json").read_text())
+    index["shards"][0] = entry
+    (tmp_path / "train.json").write_text(json.dumps(index))
+    with pytest.raises(ShardError, match=r'train.json: shards\[0\]: expected \{"file": name, "num_sequences": n\}'):
+        ShardedSequences(tmp_path, "train")
+
+
 def test_rewriting_the_training_log_on_resume_is_atomic(tmp_path, monkeypatch):
     from nystromformer import jsonlog
     log = tmp_path / "pretrain_output.log"

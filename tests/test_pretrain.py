@@ -209,20 +209,28 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     assert losses(folder) == uninterrupted[0]
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "deleted"])
-def test_a_folder_with_an_earlier_run_but_no_readable_cp_is_refused_and_left_as_it_is(tmp_path, data, damage):
+@pytest.mark.parametrize("damage", ["corrupt", "deleted", "weights only"])
+def test_a_folder_with_an_earlier_run_but_no_readable_cp_is_refused_and_left_as_it_is(tmp_path, data, damage, capsys):
     folder = model_dir(tmp_path, pretraining_setting={"epoch": 2})
     run(folder, stop_at_step=4)
     cp = folder / "model" / "cp-0000.cp"
     if damage == "corrupt":
         cp.write_bytes(b"not a checkpoint")
+    elif damage == "weights only":  # cp-0000.model copied over it: it loads, but holds nothing to resume with
+        cp.write_bytes((folder / "model" / "cp-0000.model").read_bytes())
     else:
         cp.unlink()
+    capsys.readouterr()
     before = {p.name: p.read_bytes() for p in (folder / "model").iterdir()}
     with pytest.raises(checkpoint.CheckpointError, match=r"run/model: holds an earlier run \(.*cp-0000.model.*\) "
                                                          r"but no readable .cp .* Move or delete"):
         run(folder)
     assert {p.name: p.read_bytes() for p in (folder / "model").iterdir()} == before
+    says = {"corrupt": "cp-0000.cp: not a checkpoint: not a file torch.save wrote (it begins b'not ')",
+            "weights only": "cp-0000.cp: not a resumable checkpoint (no optimizer_state_dict, scheduler_state_dict, "
+                            "scaler_state_dict, rng_state): a weights-only .model under a .cp name?",
+            "deleted": ""}[damage]
+    assert says in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("last_logged", [2, 4], ids=["mid-epoch", "killed-writing-the-epoch-checkpoint"])
@@ -792,7 +800,8 @@ def test_plot_leaves_out_entries_it_cannot_plot_and_says_so(tmp_path, capsys):
         log.write('[1, 2]\n{}\n{"type": "train", "step": 3}\n')
     assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 0
     err = capsys.readouterr().err
-    assert "skipped 1 unreadable line(s)" in err and "1 train/dev entry without step, loss, mlm_accu left out" in err
+    assert "skipped 1 unreadable line(s) (line 4: a torn write?)" in err
+    assert "1 train/dev entry without step, loss, mlm_accu left out" in err
     (folder / "model" / "pretrain_output.log").write_text('{"type": "config"}\n')
     assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 2
     assert "pretrain_output.log: no train or dev entry to plot" in capsys.readouterr().err

@@ -85,6 +85,11 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
     except IsADirectoryError:
         raise CheckpointError(f"{path}: is a folder; a checkpoint is a cp-NNNN.model or .cp file") from None
     except pickle.UnpicklingError as e:  # torch's message is a page of advice, some of it to unpickle anyway
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if not head.startswith((b"PK\x03\x04", b"\x80")):  # neither torch.save's zip nor its legacy pickle
+            raise CheckpointError(f"{path}: not a checkpoint: not a file torch.save wrote (it begins {head!r})") \
+                from None
         what = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         raise CheckpointError(f"{path}: unreadable checkpoint: it holds a Python object "
                               f"({what.group(1) if what else 'not a tensor or plain value'}) that loading would have "
@@ -97,6 +102,10 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
     return obj
 
 
+# What a .cp holds besides the weights, and a resume needs (a .model has only model_state_dict and config)
+RESUME_KEYS = ("optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict", "rng_state", "step")
+
+
 def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=print) -> Optional[dict]:
     """The newest checkpoint that loads; a corrupt newer one is reported and skipped."""
     for step, path in resumable_checkpoints(checkpoint_dir, batches_per_epoch):
@@ -104,6 +113,11 @@ def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=prin
             state = load(path)
         except CheckpointError as e:
             log(f"warning: skipping {e}; falling back to an older checkpoint")
+            continue
+        missing = [key for key in RESUME_KEYS if key not in state]
+        if missing:
+            log(f"warning: skipping {path}: not a resumable checkpoint (no {', '.join(missing)}): a weights-only "
+                f".model under a .cp name?; falling back to an older checkpoint")
             continue
         state["path"] = str(path)
         return state

@@ -14,8 +14,8 @@ from . import atomic
 
 
 def read(path: Union[str, Path]) -> List[dict]:
-    entries, torn = [], 0
-    for line in Path(path).read_text().splitlines():
+    entries, torn = [], []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -25,9 +25,11 @@ def read(path: Union[str, Path]) -> List[dict]:
         if isinstance(entry, dict):  # every line this project writes is an object
             entries.append(entry)
         else:
-            torn += 1
+            torn.append(number)
     if torn:
-        print(f"warning: {path}: skipped {torn} unreadable line(s) (a torn write?)", file=sys.stderr)
+        where = ", ".join(map(str, torn[:5])) + (", ..." if len(torn) > 5 else "")
+        print(f"warning: {path}: skipped {len(torn)} unreadable line(s) (line {where}: a torn write?)",
+              file=sys.stderr)
     return entries
 
 

@@ -89,6 +89,20 @@ def read_meta(folder: Union[str, Path]) -> dict:
     if meta.get("version") != FORMAT_VERSION:
         raise ShardError(f"{path}: shard format version {meta.get('version')} is not supported "
                          f"(this code reads version {FORMAT_VERSION})")
+    # The fields every reader relies on, checked here so that a hand-edited file is named, not a KeyError later
+    for key in ("max_seq_len", "vocab_size"):
+        if not (isinstance(meta.get(key), int) and not isinstance(meta[key], bool) and meta[key] >= 1):
+            raise ShardError(f"{path}: {key}: expected a positive integer, got {json.dumps(meta.get(key))}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ShardError(f"{path}: dtype: expected \"uint16\" or \"uint32\", got {json.dumps(meta.get('dtype'))}")
+    special = meta.get("special_tokens")
+    if not isinstance(special, dict):
+        raise ShardError(f"{path}: special_tokens: expected an object with {', '.join(SPECIAL_TOKEN_NAMES)}")
+    bad = [n for n in SPECIAL_TOKEN_NAMES if not (isinstance(special.get(n), int) and 0 <= special[n] <
+                                                  meta["vocab_size"])]
+    if bad:
+        raise ShardError(f"{path}: special_tokens: {', '.join(bad)} missing, or not a token id below vocab_size "
+                         f"({meta['vocab_size']})")
     return meta
 
 
@@ -107,6 +121,11 @@ class ShardedSequences:
         index = _read_json(index_path)
         if not isinstance(index, dict) or not isinstance(index.get("shards"), list):
             raise ShardError(f"{index_path}: not a split index (no \"shards\" list)")
+        for i, entry in enumerate(index["shards"]):
+            if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
+                    and isinstance(entry.get("num_sequences"), int)):
+                raise ShardError(f"{index_path}: shards[{i}]: expected {{\"file\": name, \"num_sequences\": n}}, "
+                                 f"got {json.dumps(entry)[:80]}")
         self.arrays: List[np.ndarray] = []
         self.shard_files = [entry["file"] for entry in index["shards"]]
         for entry in index["shards"]:

@@ -70,6 +70,9 @@ def parse_dataset(arg: str) -> DatasetSpec:
     # A trailing ":<number>" is a ratio; any other colon is part of the path.
     if m := re.fullmatch(r"(.+):([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)", arg):
         folder, ratio = m.group(1), float(m.group(2))
+    elif ":" in arg and not Path(arg).exists() and Path(arg.rpartition(":")[0]).is_dir():
+        raise BuildError(f"{arg}: {arg.rpartition(':')[2]!r} is not a sampling ratio (a number in (0, 1], e.g. "
+                         f"{arg.rpartition(':')[0]}:0.333)")
     if not 0 < ratio <= 1:
         raise BuildError(f"{arg}: sampling ratio must be in (0, 1], got {ratio}")
     return DatasetSpec(Path(folder).resolve().name, Path(folder), ratio)

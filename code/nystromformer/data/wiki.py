@@ -47,12 +47,19 @@ def extract_wiki(dump: Path, output: Path, processes: int = min(os.cpu_count() o
     if size is None or 0 < size < MIN_FILE_BYTES:
         raise InputError(f"--bytes: a size of at least 200K with a K, M or G suffix (e.g. 100M, 1G), or 0 for one "
                          f"article per file; got {bytes_per_file!r}")
+    if dump.suffix == ".bz2":  # wikiextractor would fail with a traceback from its reader thread
+        with open(dump, "rb") as f:
+            head = f.read(3)
+        if head != b"BZh":
+            raise InputError(f"{dump}: not bzip2 data (a .bz2 file begins with 'BZh', this one with {head!r}): an "
+                             f"incomplete download, or a web page saved under the dump's name?")
     output.mkdir(parents=True, exist_ok=True)
     command = extract_wiki_command(dump, output, processes, bytes_per_file)
     log.info("running %s", " ".join(command))
     result = subprocess.run(command)
     if result.returncode != 0:
-        log.error("wikiextractor failed on %s with exit code %d", dump, result.returncode)
+        log.error("wikiextractor failed on %s with exit code %d (its message is above; a damaged or truncated "
+                  "download? `bzip2 -t %s` checks a .bz2 file)", dump, result.returncode, dump)
         return result.returncode
     if not any(_starts_with_article(f) for f in output.rglob("wiki_*") if f.is_file()):
         raise InputError(f"{dump}: wikiextractor found no article in it (is it a pages-articles XML dump?)")
