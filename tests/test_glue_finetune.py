@@ -597,6 +597,7 @@ def test_a_single_sentence_task_needs_three_tokens_a_pair_task_six(tmp_path, cap
     (["--checkpoint", "0", "--device", "gpu"], "--device gpu: not a device"),
     (["--checkpoint", "0", "--lrs", "nan"], "--lr: must be a positive number, got nan"),
     (["--checkpoint", "0", "--max-seq-len", "192"], "--max-seq-len: 192 is longer than the model's max_seq_len 128"),
+    (["--checkpoint", "0", "--devices", "0,,1"], "--devices 0,,1: an empty entry"),
 ])
 def test_a_sweep_that_would_fail_every_run_is_one_error_line_before_the_first(fixture_model_dir, capsys, flags,
                                                                                named):
@@ -1046,3 +1047,41 @@ def test_a_longer_max_seq_len_that_is_not_a_whole_multiple_of_the_models_is_refu
     history = finetune(fixture_model_dir, dataclasses.replace(settings, max_seq_len=256, epochs=1),
                        log=lambda m: None)["history"]
     assert len(history) == 1
+
+
+def test_a_model_folder_fine_tuning_cannot_write_to_is_refused_before_training(fixture_model_dir, monkeypatch):
+    import os
+
+    from nystromformer.glue import finetune as finetune_module
+    folder = fixture_model_dir / "model"
+    access = os.access  # the root user passes permission checks: the file system's answer is stood in for here
+    monkeypatch.setattr(finetune_module.atomic.os, "access",
+                        lambda p, mode: False if Path(p) == folder else access(p, mode))
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, epochs=1, progress=False)
+    with pytest.raises(UserError, match=f"^the run's results cannot be written to {run_dir(folder, settings)}: "
+                                        f"{folder} is not writable"):
+        finetune(fixture_model_dir, settings, log=quiet)
+    assert not (folder / "glue").exists()  # no log line, no weights: training never started
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused_or_warned_about(fixture_model_dir):
+    from nystromformer import shards
+    from nystromformer.config import ConfigError
+    config_file = fixture_model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, epochs=1, progress=False, submission=False,
+                                max_train_examples=8, max_eval_examples=8)
+    # More tokens than the model's embedding table: ids past its end, refused before anything is read
+    config_file.write_text(json.dumps({**config, "model": {**config["model"], "vocab_size": 1000}}))
+    with pytest.raises(ConfigError, match=r"config.json: tokenizer: 50265 tokens, more than model.vocab_size \(1000\): "
+                                          r"not the tokenizer this model was pretrained with"):
+        finetune(fixture_model_dir, settings, log=quiet)
+    assert not (fixture_model_dir / "model" / "glue").exists()
+    # Fewer than the pretraining data's vocabulary: the ids would mean other words; said, as the run goes on
+    config_file.write_text(json.dumps(config))
+    special = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 50264}
+    shards.write_meta(fixture_model_dir / "dataset", shards.make_meta(128, 50266, "other-bpe", special))
+    messages = []
+    finetune(fixture_model_dir, settings, log=messages.append)
+    assert (f"warning: {config_file}: tokenizer: 50265 tokens, but the pretraining data in "
+            f"{fixture_model_dir / 'dataset'} has a 50266-token vocabulary") in "\n".join(messages)

@@ -1,4 +1,6 @@
 """The pieces every command shares: the device a --device names, the fine-tuning learning-rate schedule."""
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,34 @@ def test_a_bad_environment_variable_is_one_error_line_when_the_command_starts(ca
                         ["listops-train", "--generate", "--out", "unused"]):
             assert main(command) == 2
             assert capsys.readouterr().err.startswith(f"error: {says}")
+
+
+@pytest.mark.parametrize("code, says", [
+    (errno.EROFS, "error: /runs/x/best.model: the file system is read-only; it needs an output folder with room"),
+    (errno.ENOSPC, "error: /runs/x/best.model: no space left on the device; it needs an output folder with room"),
+    (errno.EACCES, "error: /runs/x/best.model: permission denied; it needs an input this user can read, or an output "
+                   "folder this user can write to"),
+])
+def test_a_write_the_file_system_refuses_is_one_error_line_naming_the_file(capsys, code, says):
+    from nystromformer.cli import run_command
+
+    def writes(args):
+        raise OSError(code, os.strerror(code), "/runs/x/best.model")
+    assert run_command(writes, None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(says) and len(err.splitlines()) == 1, err
+
+
+def test_other_os_errors_stay_tracebacks_and_ctrl_c_ends_with_status_130_and_one_line(capsys):
+    from nystromformer.cli import run_command
+
+    def missing(args):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere")
+    with pytest.raises(FileNotFoundError):  # not a refused write: ours to find, with its traceback
+        run_command(missing, None)
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    assert run_command(interrupted, None) == 130
+    assert capsys.readouterr().err == ("interrupted (Ctrl-C); rerun the same command to resume where it can, or to "
+                                       "start again\n")

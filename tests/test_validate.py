@@ -216,3 +216,17 @@ def test_validation_reports_the_commonest_token_bar_and_says_when_a_model_does_n
             capsys.readouterr().out
     logged = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
     assert [e["commonest_token_accu"] for e in logged] == [bar] * 3
+
+
+def test_a_checkpoint_folder_validation_cannot_write_to_is_refused_before_any_evaluation(trained, monkeypatch):
+    import os
+
+    from nystromformer import atomic
+    from nystromformer.errors import UserError
+    folder = trained / "model"
+    access = os.access  # the root user passes permission checks: the file system's answer is stood in for here
+    monkeypatch.setattr(atomic.os, "access", lambda p, mode: False if Path(p) == folder else access(p, mode))
+    with pytest.raises(UserError, match=f"^validation_output.log cannot be written to {folder}: {folder} is not "
+                                        f"writable by this user"):
+        validate(load_config(trained))
+    assert not (folder / "validation_output.log").exists()

@@ -29,6 +29,18 @@ def check_output_folder(path: PathLike, flag: str = "--output") -> None:
             return
 
 
+def check_writable_folder(path: PathLike, what: str) -> None:
+    """``what`` can be written under ``path`` (made if missing): checked before a command's slow work, so that a
+    read-only mount or a folder of another user is one error line before training, not a traceback after it."""
+    from .errors import UserError
+    path = Path(path)
+    check_output_folder(path, what)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):  # access() also reports a read-only file system
+        raise UserError(f"{what} cannot be written to {path}: {existing} is not writable by this user "
+                        f"(or is on a read-only file system)")
+
+
 @contextmanager
 def atomic_open(path: PathLike, mode: str = "wb") -> Iterator:
     path = Path(path)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from typing import List, Optional
@@ -27,13 +28,34 @@ def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, ru
     p.set_defaults(func=run)
 
 
+# The file system refusing a write: the user's to fix (a folder mounted read-only, no permission, a full disk),
+# reported as one line naming the file (a write, or a read the permissions refuse). Other OSErrors stay tracebacks.
+UNWRITABLE = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+              errno.EPERM: "permission denied", errno.ENOSPC: "no space left on the device",
+              errno.EDQUOT: "disk quota exceeded"}
+
+
 def run_command(run, args: argparse.Namespace) -> int:
-    """``run(args)``'s exit status; a UserError is one ``error: ...`` line on stderr and status 2."""
+    """``run(args)``'s exit status; a UserError is one ``error: ...`` line on stderr and status 2, and so is a
+    write the file system refuses. Ctrl-C that a command does not handle itself ends with status 130, no
+    traceback (every file is written atomically: a rerun picks up from the last one finished)."""
     try:
         return int(run(args) or 0)
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        where = e.filename if e.filename is not None else "a file"
+        hint = ("an input this user can read, or an output folder this user can write to"
+                if e.errno in (errno.EACCES, errno.EPERM) else "an output folder with room, that this user can write to")
+        print(f"error: {where}: {UNWRITABLE[e.errno]}; it needs {hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C); rerun the same command to resume where it can, or to start again",
+              file=sys.stderr)
+        return 130
 
 
 def script_main(prog: str, doc: str, add_arguments, run, argv: Optional[List[str]] = None) -> int:

@@ -66,6 +66,28 @@ def model_tokenizer(cfg) -> Union[Path, str]:
     return name
 
 
+def check_tokenizer_fits(cfg, tokenizer, log=print) -> None:
+    """The tokenizer a model folder uses (``model_tokenizer``) must be the one it was pretrained with: more tokens
+    than ``model.vocab_size`` is a ConfigError (ids past the embedding table); a size other than the pretraining
+    data's vocabulary (when its meta.json is there to say) is warned about — the ids would mean other words."""
+    from .config import ConfigError
+    from .shards import ShardError, read_meta
+
+    where = (f"{cfg.config_file}: tokenizer" if cfg.tokenizer is not None
+             else f"the tokenizer named in {cfg.data_dir / 'meta.json'}")
+    size = len(tokenizer)
+    if size > cfg.model.vocab_size:
+        raise ConfigError(f"{where}: {size} tokens, more than model.vocab_size ({cfg.model.vocab_size}): not the "
+                          f"tokenizer this model was pretrained with")
+    try:
+        data_size = read_meta(cfg.data_dir)["vocab_size"]
+    except (ShardError, KeyError):
+        return  # no pretraining data here (fine-tuning elsewhere): nothing to compare with
+    if size != data_size:
+        log(f"warning: {where}: {size} tokens, but the pretraining data in {cfg.data_dir} has a {data_size}-token "
+            f"vocabulary: is this the tokenizer the model was pretrained with?")
+
+
 def special_token_ids(tokenizer) -> Dict[str, int]:
     ids = {name: getattr(tokenizer, attr) for name, attr in SPECIAL_TOKEN_ATTRS.items()}
     missing = [n for n, v in ids.items() if v is None]

@@ -12,7 +12,7 @@ import time
 from typing import List, Optional
 
 
-from . import checkpoint, jsonlog
+from . import atomic, checkpoint, jsonlog
 from .jsonlog import JsonLog
 from .cli import add_subcommand, script_main
 from .config import Config, ConfigError, load_config
@@ -57,6 +57,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
         done = validated_checkpoints(cfg)
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
                   if checkpoint.model_path(cfg.checkpoint_dir, e).name not in done]
+    atomic.check_writable_folder(cfg.checkpoint_dir, LOG_NAME)
     results, diverged = [], []
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
     for epoch in epochs:

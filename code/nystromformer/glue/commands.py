@@ -100,6 +100,8 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     # Given devices, even one, are honoured (each run a process that sees only its device); by default several
     # visible GPUs run in parallel, and one GPU (or none) runs the grid in this process on --device.
     devices = args.devices.split(",") if args.devices else None
+    if devices and not all(d.strip() for d in devices):
+        raise SettingsError(f"--devices {args.devices}: an empty entry (give CUDA_VISIBLE_DEVICES values such as 0,1)")
     if devices is None:
         import torch
         count = torch.cuda.device_count()

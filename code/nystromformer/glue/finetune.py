@@ -37,7 +37,7 @@ from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
-from ..tokenizer import load_tokenizer, model_tokenizer
+from ..tokenizer import check_tokenizer_fits, load_tokenizer, model_tokenizer
 from .encoding import EncodedDataset, PadCollator
 from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
 from .submission import format_predictions, write_submission
@@ -297,6 +297,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
     tokenizer = load_tokenizer(model_tokenizer(cfg))
+    check_tokenizer_fits(cfg, tokenizer, log)
     max_seq_len = check_max_seq_len(cfg, settings.max_seq_len)
 
     # Data: read everything first, so a bad file fails before any training.
@@ -330,6 +331,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
 
     out_dir = run_dir(checkpoint_dir, settings)
+    atomic.check_writable_folder(out_dir, "the run's results")
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
     previous = read_result(checkpoint_dir, settings)
     if previous is not None and submission_to_redo(previous, glue_dir) and best_path.is_file():

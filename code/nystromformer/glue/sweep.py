@@ -164,6 +164,7 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
             resolve_device(runs[0].device)
         find_model(checkpoint_dir, runs[0].checkpoint)
         check_max_seq_len(cfg, runs[0].max_seq_len)
+        atomic.check_writable_folder(Path(checkpoint_dir) / "glue", "the sweep's runs")
         for task in dict.fromkeys(s.task for s in pending):
             try:
                 check_task_folder(cfg, get_task(task))

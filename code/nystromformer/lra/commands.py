@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..atomic import check_output_folder
 from ..cli import add_subcommand
-from ..config import ATTENTION_TYPES
+from ..config import ATTENTION_TYPES, ModelConfig
 from ..errors import UserError
 from ..runtime import check_environment, resolve_device
 from . import listops
@@ -134,6 +134,10 @@ def run_train(args) -> int:
     overrides = {}
     for item in args.set:
         key, _, val = item.partition("=")
+        key = key.removeprefix("model.")  # the key as config.json's "model" section spells it, or with the section
+        if key not in ModelConfig.__dataclass_fields__:
+            raise UserError(f"--set {item}: {key!r} is not a model key (config.json's \"model\" section: "
+                            f"docs/config.md), e.g. --set num_landmarks=32")
         try:
             overrides[key] = json.loads(val)
         except json.JSONDecodeError:
