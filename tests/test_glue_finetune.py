@@ -1085,3 +1085,13 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_or_warned_about(fixture_m
     finetune(fixture_model_dir, settings, log=messages.append)
     assert (f"warning: {config_file}: tokenizer: 50265 tokens, but the pretraining data in "
             f"{fixture_model_dir / 'dataset'} has a 50266-token vocabulary") in "\n".join(messages)
+
+
+def test_a_tokenizer_that_cannot_be_found_is_an_error_naming_the_config_key(fixture_model_dir, capsys):
+    config_file = fixture_model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "tokenizer": "no-such-tokenizer"}))
+    assert run_glue_main(["--model-dir", str(fixture_model_dir), "--task", "MRPC", "--checkpoint", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {config_file}: tokenizer: tokenizer '{fixture_model_dir / 'no-such-tokenizer'}' "
+                          f"is neither a folder nor in the local Hugging Face cache"), err

@@ -66,6 +66,20 @@ def model_tokenizer(cfg) -> Union[Path, str]:
     return name
 
 
+def _tokenizer_setting(cfg) -> str:
+    """Where a model folder's tokenizer is named, for messages."""
+    return (f"{cfg.config_file}: tokenizer" if cfg.tokenizer is not None
+            else f"the tokenizer named in {cfg.data_dir / 'meta.json'}")
+
+
+def load_model_tokenizer(cfg):
+    """The tokenizer a model folder uses (``model_tokenizer``), loaded; an error names the setting that named it."""
+    try:
+        return load_tokenizer(model_tokenizer(cfg))
+    except TokenizerError as e:
+        raise TokenizerError(f"{_tokenizer_setting(cfg)}: {e}") from None
+
+
 def check_tokenizer_fits(cfg, tokenizer, log=print) -> None:
     """The tokenizer a model folder uses (``model_tokenizer``) must be the one it was pretrained with: more tokens
     than ``model.vocab_size`` is a ConfigError (ids past the embedding table); a size other than the pretraining
@@ -73,8 +87,7 @@ def check_tokenizer_fits(cfg, tokenizer, log=print) -> None:
     from .config import ConfigError
     from .shards import ShardError, read_meta
 
-    where = (f"{cfg.config_file}: tokenizer" if cfg.tokenizer is not None
-             else f"the tokenizer named in {cfg.data_dir / 'meta.json'}")
+    where = _tokenizer_setting(cfg)
     size = len(tokenizer)
     if size > cfg.model.vocab_size:
         raise ConfigError(f"{where}: {size} tokens, more than model.vocab_size ({cfg.model.vocab_size}): not the "

@@ -37,7 +37,7 @@ from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
-from ..tokenizer import check_tokenizer_fits, load_tokenizer, model_tokenizer
+from ..tokenizer import check_tokenizer_fits, load_model_tokenizer
 from .encoding import EncodedDataset, PadCollator
 from .metrics import better_score, combine_dev_metrics, split_metrics, task_score
 from .submission import format_predictions, write_submission
@@ -296,7 +296,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
-    tokenizer = load_tokenizer(model_tokenizer(cfg))
+    tokenizer = load_model_tokenizer(cfg)
     check_tokenizer_fits(cfg, tokenizer, log)
     max_seq_len = check_max_seq_len(cfg, settings.max_seq_len)
 
