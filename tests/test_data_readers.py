@@ -602,6 +602,19 @@ def test_tokenizer_sizes_the_trainer_would_ignore_or_crash_on_are_one_error_line
     assert not (tmp_path / "tok").exists()
 
 
+def test_training_a_tokenizer_into_a_folder_that_holds_one_needs_overwrite(tmp_path, capsys):
+    preprocess(tmp_path, "stories")
+    argv = ["train-tokenizer", "--input", tmp_path / "stories", "--output", tmp_path / "tok", "--vocab-size", "300"]
+    assert run_command(argv) == 0
+    before = (tmp_path / "tok" / "vocab.json").read_bytes()
+    capsys.readouterr()
+    assert run_command(argv[:-1] + ["280"]) == 2
+    assert_one_error_line(capsys, f"--output {tmp_path / 'tok'}: holds a tokenizer already (vocab.json, merges.txt)")
+    assert (tmp_path / "tok" / "vocab.json").read_bytes() == before
+    assert run_command(argv[:-1] + ["280", "--overwrite"]) == 0
+    assert len(json.loads((tmp_path / "tok" / "vocab.json").read_text())) == 280
+
+
 def test_a_partition_file_changed_by_hand_into_other_bytes_or_stats_is_an_error_naming_it(tmp_path):
     from nystromformer.data.partitions import PartitionError, partition_files
     preprocess(tmp_path, "stories")

@@ -284,6 +284,14 @@ def test_a_long_sequence_keeps_its_head_when_truncated_as_lra_does():
     assert listops.encode("[MAX 1 2 ]".split(), 2) == [listops.TOKEN_ID["[MAX"], listops.TOKEN_ID["1"]]
 
 
+def test_expressions_longer_than_max_length_are_truncated_and_counted_per_split():
+    raw = {"train": [("[MAX 1 2 ]", 2), ("[MIN 3 4 5 ]", 3), ("7", 7)], "test": [("[MAX 1 ]", 1)]}
+    messages = []
+    splits = encode_splits(raw, 4, log=messages.append)
+    assert [len(ids) for ids, _ in splits["train"]] == [4, 4, 1] and [lab for _, lab in splits["train"]] == [2, 3, 7]
+    assert messages == ["warning: --max-length 4: 1 of 3 train expressions are longer and were truncated"]
+
+
 def tiny_splits():
     raw = listops.generate_splits({"train": 64, "dev": 16, "test": 16}, seed=0, max_depth=2, max_args=3,
                                   min_length=1, max_length=20)

@@ -48,8 +48,9 @@ def run_command(run, args: argparse.Namespace) -> int:
         if e.errno not in UNWRITABLE:
             raise
         where = e.filename if e.filename is not None else "a file"
-        hint = ("an input this user can read, or an output folder this user can write to"
-                if e.errno in (errno.EACCES, errno.EPERM) else "an output folder with room, that this user can write to")
+        refused = e.errno in (errno.EACCES, errno.EPERM)
+        hint = ("an input this user can read, or an output folder this user can write to" if refused
+                else "an output folder with room, that this user can write to")
         print(f"error: {where}: {UNWRITABLE[e.errno]}; it needs {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..atomic import check_output_folder
 from ..cli import add_subcommand
+from ..errors import UserError
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
 from .wiki import MAX_PROCESSES
 
@@ -67,6 +68,10 @@ def cmd_preprocess(args) -> int:
 def cmd_train_tokenizer(args) -> int:
     from .tokenize import train_tokenizer
     check_output_folder(args.output)
+    existing = [n for n in ("vocab.json", "merges.txt", "tokenizer.json") if (args.output / n).is_file()]
+    if existing and not args.overwrite:
+        raise UserError(f"--output {args.output}: holds a tokenizer already ({', '.join(existing)}); shards and models "
+                        f"built with it would no longer match it. Choose a new folder, or --overwrite")
     _logging()
     train_tokenizer(args.input, args.output, args.vocab_size, args.min_frequency)
     return 0
@@ -112,6 +117,8 @@ def add_train_tokenizer_arguments(p) -> None:
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--vocab-size", type=int, default=50265)
     p.add_argument("--min-frequency", type=int, default=2)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a tokenizer already in --output (shards built with it will no longer match it)")
 
 
 def add_build_shards_arguments(p) -> None:

@@ -193,12 +193,17 @@ def majority_accuracy(train, test) -> float:
     return sum(lab == top for _, lab in test) / max(len(test), 1)
 
 
-def encode_splits(raw: Dict[str, list], max_length: int) -> Dict[str, list]:
-    """{split: [(tokens or source text, label)]} → {split: [(ids, label)]} truncated to max_length."""
+def encode_splits(raw: Dict[str, list], max_length: int, log=print) -> Dict[str, list]:
+    """{split: [(tokens or source text, label)]} → {split: [(ids, label)]} truncated to max_length (as LRA does);
+    how many expressions were cut is said, per split (a cut expression's label may no longer follow from it)."""
     out = {}
     for split, rows in raw.items():
-        out[split] = [(listops.encode(src.split() if isinstance(src, str) else src, max_length), lab)
-                      for src, lab in rows]
+        tokens = [src.split() if isinstance(src, str) else src for src, _ in rows]
+        cut = sum(len(t) > max_length for t in tokens)
+        if cut:
+            log(f"warning: --max-length {max_length}: {cut} of {len(rows)} {split} expressions are longer and were "
+                f"truncated")
+        out[split] = [(listops.encode(t, max_length), lab) for t, (_, lab) in zip(tokens, rows)]
     return out
 
 
