@@ -236,6 +236,10 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
     (["--set", "num_landmarks=thirty"], "--set num_landmarks=thirty: the value must be JSON"),
     (["--set", "num_landmark=32"], "--set num_landmark=32: 'num_landmark' is not a model key"),
     (["--set", "model.foo=1"], "--set model.foo=1: 'foo' is not a model key"),
+    (["--set", "num_landmarks=0"], "--set num_landmarks: must be >= 1, got 0 (the softmax run's model)"),
+    (["--dropout", "2"], "--dropout: must be in [0, 1), got 2.0 (the softmax run's model)"),
+    (["--dim", "15", "--num-head", "2"], "--dim / --num-head: num_head (2) x head_dim (7) = 14 must equal "
+                                         "transformer_dim (15)"),
     (["--set", "num_landmarks=\"32\""], "num_landmarks"),
     (["--data", "no-such-folder"], "no-such-folder: missing basic_train.tsv"),
     (["--steps", "0"], "--steps: must be at least 1, got 0"),

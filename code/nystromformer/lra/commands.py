@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..atomic import check_output_folder
 from ..cli import add_subcommand
-from ..config import ATTENTION_TYPES, ModelConfig
+from ..config import ATTENTION_TYPES, ConfigError, ModelConfig
 from ..errors import UserError
 from ..runtime import check_environment, resolve_device
 from . import listops
@@ -84,6 +84,10 @@ def run_generate(args) -> int:
     return 0
 
 
+# The model keys the run flags fill in (lra/train.py, model_config), for errors in the user's terms
+FLAGS_OF_KEY = {"transformer_dim": "--dim", "embedding_dim": "--dim", "head_dim": "--dim / --num-head",
+                "num_head": "--num-head", "transformer_hidden_dim": "--ffn-dim", "num_layers": "--num-layers",
+                "dropout_prob": "--dropout", "max_seq_len": "--max-length"}
 # Model keys a flag or the data decides: a --set of them would train another model than the table names.
 FLAG_OWNED_KEYS = {
     "attn_type": "the attention is chosen by --attn-types (the results table is labelled by it)",
@@ -154,7 +158,14 @@ def run_train(args) -> int:
     resolve_device(settings.device)
     check_output_folder(args.out, "--out")
     for name in names:  # every run's settings checked before the first one trains
-        model_config(name, settings, overrides)
+        try:
+            model_config(name, settings, overrides)
+        except ConfigError as e:  # named by the flags the user typed, not the config keys they fill
+            key = str(e).partition(":")[0].removeprefix("model.")
+            flags = (f"--set {key}" if key in overrides else FLAGS_OF_KEY.get(key))
+            if flags is None:
+                raise
+            raise UserError(f"{flags}: {str(e).partition(':')[2].strip()} (the {name} run's model)") from None
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
