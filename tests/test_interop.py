@@ -353,6 +353,20 @@ def test_an_untied_decoder_is_refused_rather_than_silently_replaced_by_the_embed
     assert not (tmp_path / "ours" / "imported").exists()
 
 
+def test_a_bad_value_in_a_transformers_config_is_named_by_its_own_key_and_our_folder_is_not_taken_for_one(
+        tmp_path):
+    from nystromformer.config import ConfigError
+    _, src = hf_nystromformer(tmp_path)
+    hf_config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**hf_config, "num_hidden_layers": "two"}))
+    with pytest.raises(ConfigError, match=r"hf-src/config.json: num_hidden_layers \(read as model.num_layers\): "):
+        import_hf(src, tmp_path / "ours", log=lambda s: None)
+    ours_folder = write_model_dir(tmp_path / "ours-already", tiny_config())
+    with pytest.raises(InteropError, match=r"ours-already: a model folder of this project, not a transformers "
+                                           r"folder"):
+        import_hf(ours_folder, tmp_path / "ours", log=lambda s: None)
+
+
 def resave(src, dest, rename):
     """A copy of a transformers folder with its weights as pytorch_model.bin, keys renamed (None drops one)."""
     from safetensors.torch import load_file

@@ -323,6 +323,10 @@ def read_hf_folder(folder: PathLike) -> Tuple[dict, Dict[str, torch.Tensor]]:
         raise InteropError(f"{folder / 'config.json'}: unreadable ({e})") from None
     if not isinstance(hf_cfg, dict):
         raise InteropError(f"{folder / 'config.json'}: not a JSON object")
+    if "model" in hf_cfg and "model_type" not in hf_cfg:
+        raise InteropError(f"{folder}: a model folder of this project, not a transformers folder (import-hf reads "
+                           f"what transformers' save_pretrained writes; this one needs no import: use it as it is, "
+                           f"or point from_cp at its checkpoint)")
     hf_cfg = {**_transformers_defaults(hf_cfg.get("model_type")), **hf_cfg}
     missing = [k for k in HF_REQUIRED_KEYS if k not in hf_cfg]
     if missing:
@@ -510,15 +514,27 @@ def _existing_config(model_dir: Path) -> dict:
     return data
 
 
-def _validated(build: Callable[[], Config], source: Path, overrides: Optional[dict]) -> Config:
+# Our model keys and the transformers config keys they are read from (model_config_from_hf / _from_roberta)
+HF_KEY_OF = {"vocab_size": "vocab_size", "num_sen_type": "type_vocab_size", "max_seq_len": "max_position_embeddings",
+             "embedding_dim": "hidden_size", "transformer_dim": "hidden_size", "head_dim": "hidden_size",
+             "transformer_hidden_dim": "intermediate_size", "num_layers": "num_hidden_layers",
+             "dropout_prob": "hidden_dropout_prob", "num_head": "num_attention_heads",
+             "num_landmarks": "num_landmarks", "conv_kernel_size": "conv_kernel_size",
+             "layer_norm_eps": "layer_norm_eps", "pad_token_id": "pad_token_id"}
+
+
+def _validated(build: Callable[[], Config], source: Path, overrides: Optional[dict], hf: bool = False) -> Config:
     """``build()``, with a ConfigError named by the flag that set the key, else by ``source`` (the config.json the
-    other values came from)."""
+    other values came from; with ``hf``, a transformers config.json, named by its own key)."""
     try:
         return build()
     except ConfigError as e:
-        key = getattr(e, "key", "").removeprefix("model.")
+        key = (getattr(e, "key", "") or str(e).partition(":")[0]).removeprefix("model.")
         if key in (overrides or {}):
             raise InteropError(f"--{key.replace('_', '-')} {overrides[key]}: {str(e).split(': ', 1)[1]}") from None
+        if hf and key in HF_KEY_OF:
+            raise ConfigError(f"{source}: {HF_KEY_OF[key]} (read as model.{key}): {str(e).split(': ', 1)[1]}") \
+                from None
         raise ConfigError(f"{source}: {e}") from None
 
 
@@ -562,7 +578,7 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     else:
         raise InteropError(f"{input_dir}: model_type {family!r}; import-hf reads nystromformer or roberta folders")
     data = {**existing, "model": dataclasses.asdict(mc)}
-    cfg = _validated(lambda: config_from_dict(data, model_dir), Path(input_dir) / "config.json", overrides)
+    cfg = _validated(lambda: config_from_dict(data, model_dir), Path(input_dir) / "config.json", overrides, hf=True)
     state = from_hf_state_dict(hf_state, mc, family, log)
     if checkpoint.resumable_checkpoints(cfg.checkpoint_dir, cfg.pretraining_setting.batches_per_epoch) and not force:
         raise InteropError(f"{cfg.checkpoint_dir} already has resumable checkpoints: pretraining would resume "
