@@ -30,6 +30,9 @@ host time: Triton's launcher, autograd, our wrappers), to find where a host-boun
     python bench/model_speed.py --attention-fp32 false --compile reduce-overhead   # CUDA graphs
     python bench/model_speed.py --attention-fp32 true --models nystrom nystrom-all --host-profile nystrom-all
     python bench/model_speed.py --device cpu --seq-len 128 --batch 2 --layers 2 --steps 2   # smoke test
+    TRITON_INTERPRET=1 NYSTROM_IMPL=fast python bench/model_speed.py --device cpu --seq-len 128 --batch 1 \
+        --layers 2 --steps 1 --warmup 1 --models nystrom-all --host-profile nystrom-all \
+        --host-profile-only nystromformer/attention   # our wrappers' own host time, on the CPU
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import cProfile
 import io
 import os
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -122,7 +126,7 @@ def step_fn(model, is_hf, opt, device, amp, host_times=None):
     return step
 
 
-def host_profile(step, batch_data, device, rows=30):
+def host_profile(step, batch_data, device, rows=30, only=None):
     """cProfile's table of one step: Python functions by their own host time (tottime), with call counts. The
     backward runs on the calling thread for it (on CUDA autograd runs it on a thread of its own, out of cProfile's
     sight): the Python of custom backward functions and the launches they make are in the table."""
@@ -134,10 +138,16 @@ def host_profile(step, batch_data, device, rows=30):
     if device.type == "cuda":
         torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    # ``only``: a regular expression on "file:line(function)", applied before the row limit
+    stats.print_stats(*([only] if only else []), rows)
     # From the header ("ncalls tottime ...") on: the run's own totals line is kept above it
     lines = text.getvalue().splitlines()
     total = next((line.strip() for line in lines if "function calls" in line), "")
+    if only:  # the table rounds to ms; the matched functions' own time summed, finer
+        matched = [tt for (file, line, name), (_, _, tt, _, _) in stats.stats.items()
+                   if re.search(only, f"{file}:{line}({name})")]
+        total += f"; own time of the {len(matched)} functions matching {only!r}: {sum(matched) * 1e3:.3f} ms"
     start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
     return "\n".join([total, *lines[start:]]).rstrip()
 
@@ -185,6 +195,9 @@ def main(argv=None):
                     help="also print a per-kernel device-time breakdown (torch.profiler) of one step of these models")
     ap.add_argument("--host-profile", nargs="*", default=[], metavar="MODEL",
                     help="also print cProfile's table of one step of these models (host time by Python function)")
+    ap.add_argument("--host-profile-only", default=None, metavar="REGEX",
+                    help="only the profile's rows whose file:line(function) matches, e.g. nystromformer/ for our "
+                         "own code (on the CPU under TRITON_INTERPRET=1 the interpreter's rows hide it)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     amp = device.type == "cuda"
@@ -235,7 +248,7 @@ def main(argv=None):
             if name in args.kernels:
                 breakdowns[name] = kernel_breakdown(step, data[0], device)
             if name in args.host_profile:
-                profiles[name] = host_profile(step, data[0], device)
+                profiles[name] = host_profile(step, data[0], device, only=args.host_profile_only)
         except torch.OutOfMemoryError:
             rows[name] = (None, None, None, None, None)
         del model, opt

@@ -48,7 +48,8 @@ def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
     # NYSTROM_IMPL=fast and n = 128 > 64 landmarks: the CUDA path's code (PyTorch ops here), split by the overlap row
     lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "128", "--batch", "2", "--layers",
                        "1", "--steps", "1", "--warmup", "1", "--models", "nystrom", "nystrom-overlap", "softmax",
-                       "attention-free", "--host-profile", "nystrom", NYSTROM_IMPL="fast")
+                       "attention-free", "--host-profile", "nystrom", "--host-profile-only", "nystromformer/attention/",
+                       NYSTROM_IMPL="fast")
     blank = lines.index("")
     rows = table_rows(lines[:blank])
     assert [r[0] for r in rows] == ["nystrom", "nystrom-overlap", "softmax", "attention-free"]
@@ -63,7 +64,10 @@ def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
     profile = lines[blank + 1:]
     assert profile[0] == "# host time of one nystrom training step by Python function (cProfile, tottime)"
     assert "function calls" in profile[1] and profile[2].split()[:2] == ["ncalls", "tottime"]
+    assert "; own time of the " in profile[1] and "functions matching 'nystromformer/attention/': " in profile[1]
     assert any("nystrom_fast.py" in line for line in profile[3:]), profile
+    # --host-profile-only: only the rows of the files it matches (here the attention's own code)
+    assert all("nystromformer/attention/" in line for line in profile[3:] if line.strip()), profile
 
 
 def test_model_speed_refuses_a_breakdown_of_a_model_it_does_not_run():
