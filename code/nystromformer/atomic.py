@@ -30,8 +30,9 @@ def check_output_folder(path: PathLike, flag: str = "--output") -> None:
 
 
 def check_writable_folder(path: PathLike, what: str) -> None:
-    """``what`` can be written under ``path`` (made if missing): checked before a command's slow work, so that a
-    read-only mount or a folder of another user is one error line before training, not a traceback after it."""
+    """``what`` can be written under ``path`` (or ``path`` made, if missing; nothing is created here): checked before
+    a command's slow work, so that a read-only mount or another user's folder is one error line before training,
+    not a traceback after it."""
     from .errors import UserError
     path = Path(path)
     check_output_folder(path, what)

@@ -37,8 +37,8 @@ UNWRITABLE = {errno.EROFS: "the file system is read-only", errno.EACCES: "permis
 
 def run_command(run, args: argparse.Namespace) -> int:
     """``run(args)``'s exit status; a UserError is one ``error: ...`` line on stderr and status 2, and so is a
-    write the file system refuses. Ctrl-C that a command does not handle itself ends with status 130, no
-    traceback (every file is written atomically: a rerun picks up from the last one finished)."""
+    write the file system refuses. Ctrl-C that a command does not handle itself ends with status 130 and one
+    line, no traceback (the commands write their files atomically, so a rerun finds none half-written)."""
     try:
         return int(run(args) or 0)
     except UserError as e:

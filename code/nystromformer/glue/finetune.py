@@ -296,6 +296,8 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
+    out_dir = run_dir(checkpoint_dir, settings)
+    atomic.check_writable_folder(out_dir, "the run's results")
     tokenizer = load_model_tokenizer(cfg)
     check_tokenizer_fits(cfg, tokenizer, log)
     max_seq_len = check_max_seq_len(cfg, settings.max_seq_len)
@@ -330,8 +332,6 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
     scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
 
-    out_dir = run_dir(checkpoint_dir, settings)
-    atomic.check_writable_folder(out_dir, "the run's results")
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
     previous = read_result(checkpoint_dir, settings)
     if previous is not None and submission_to_redo(previous, glue_dir) and best_path.is_file():
