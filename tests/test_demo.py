@@ -76,3 +76,32 @@ def test_demo_output_under_a_file_is_one_error_line(tmp_path):
                            str(tmp_path / "notes.txt" / "demo")], capture_output=True, text=True, cwd=REPO / "code")
     assert proc.returncode == 2 and proc.stderr == (f"error: --output {tmp_path / 'notes.txt' / 'demo'}: "
                                                     f"{tmp_path / 'notes.txt'} is a file, not a folder\n")
+
+
+def test_a_second_demo_into_the_folder_of_a_running_one_is_refused_and_deletes_nothing(tmp_path):
+    import fcntl
+
+    from nystromformer import demo
+    out = tmp_path / "demo-output"
+    out.mkdir()
+    (out / "tiny-128").mkdir()
+    (out / "tiny-128" / "config.json").write_text("{}")  # a running demo's files
+    with open(out / demo.MARKER, "a") as held:  # held as a running demo holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.run([sys.executable, "-m", "nystromformer.cli", "demo", "--output", str(out)],
+                              capture_output=True, text=True, cwd=REPO / "code")
+    assert proc.returncode == 2 and "another demo is running in this folder" in proc.stderr
+    assert (out / "tiny-128" / "config.json").read_text() == "{}"
+
+
+def test_a_demo_folder_is_emptied_before_a_new_run(tmp_path):
+    from nystromformer import demo
+    out = tmp_path / "demo-output"
+    out.mkdir()
+    (out / demo.MARKER).write_text("old")
+    (out / "stale").mkdir()
+    (out / "stale" / "x.txt").write_text("from the last run")
+    (out / "summary.md").write_text("old summary")
+    with demo.claimed_output(out):
+        assert [p.name for p in out.iterdir()] == [demo.MARKER]
+        assert "written by `nystromformer demo`" in (out / demo.MARKER).read_text()

@@ -292,13 +292,8 @@ def test_glue_weights_export_as_sequence_classification(tmp_path, num_labels):
                                 "model_config": dataclasses.asdict(mc)})
     with pytest.raises(InteropError, match="--num-labels"):
         export_hf(load_config(folder), tmp_path / "x", glue_weights=weights, num_labels=num_labels + 1)
-    (tmp_path / "hf").mkdir()
-    private = tmp_path / "hf" / "notes.txt"  # a file of the user's in the output folder keeps its mode
-    private.write_text("mine")
-    private.chmod(0o600)
+    (tmp_path / "hf").mkdir()  # an empty folder is a new one
     out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
-    assert private.stat().st_mode & 0o777 == 0o600
-    private.unlink()
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     assert type(hf).__name__ == "NystromformerForSequenceClassification" and hf.config.num_labels == num_labels
     if num_labels > 1:  # the task's label names, so that a transformers user knows which index means what
@@ -596,3 +591,57 @@ def test_a_softmax_model_exports_with_a_zero_1x1_conv_whatever_its_conv_kernel_s
     assert back.config.conv_kernel_size is None and back.config.num_landmarks >= back.config.max_seq_len == SEQ
     with torch.no_grad():
         torch.testing.assert_close(back.logits(ids), model.logits(ids), atol=ATOL, rtol=0)
+
+
+def test_export_into_a_model_folder_of_ours_or_other_files_is_refused_and_touches_nothing(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    config_before = (folder / "config.json").read_bytes()
+    assert main(["export-hf", "--model-dir", str(folder), "--checkpoint", "0", "--output", str(folder)]) == 2
+    assert "not a transformers model folder" in capsys.readouterr().err
+    assert (folder / "config.json").read_bytes() == config_before and not (folder / "model.safetensors").exists()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    assert main(["export-hf", "--model-dir", str(folder), "--checkpoint", "0", "--output", str(notes)]) == 2
+    assert "give a new or empty one" in capsys.readouterr().err
+    assert [p.name for p in notes.iterdir()] == ["todo.txt"]
+    assert not list(tmp_path.glob(".*.tmp*"))  # no staging folder left behind
+
+
+def test_export_over_a_previous_export_needs_overwrite_and_replaces_every_file(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    args = ["export-hf", "--model-dir", str(folder), "--checkpoint", "0", "--output", str(tmp_path / "hf")]
+    assert main(args) == 0
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"an older export's weights")
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert (tmp_path / "hf" / "pytorch_model.bin").exists()
+    assert main(args + ["--overwrite"]) == 0
+    assert not (tmp_path / "hf" / "pytorch_model.bin").exists()  # transformers would have preferred neither
+    assert transformers.AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf")) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]  # no staging or old folder left
+
+
+def test_a_failed_export_leaves_the_previous_one_as_it_was(tmp_path, monkeypatch):
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
+    with pytest.raises(OSError):
+        export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]
+
+
+def test_import_with_another_conv_kernel_size_than_the_weights_names_both(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8, conv_kernel_size=None))
+    export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)  # "no conv": a zero 1x1 conv
+    code = main(["import-hf", "--input", str(tmp_path / "hf"), "--model-dir", str(tmp_path / "back"),
+                 "--conv-kernel-size", "5"])
+    assert code == 2
+    assert "model.conv_kernel_size 5, but the weights' conv kernel is 1" in capsys.readouterr().err
+    assert not (tmp_path / "back" / "imported").exists()

@@ -10,6 +10,8 @@ and a loss-curve PNG. Every step runs the real ``nystromformer`` command, as a r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import shutil
 import signal
@@ -17,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 from . import jsonlog
 from .atomic import check_output_folder
@@ -124,13 +126,33 @@ def check_output(out: Path) -> None:
     check_output_folder(out, "--output")
 
 
-def run_demo(out: Path) -> int:
-    out = out.resolve()
+@contextlib.contextmanager
+def claimed_output(out: Path) -> Iterator[None]:
+    """The demo's output folder, emptied and held for this run: a lock on its marker file keeps a second demo
+    from deleting this one's files while it runs (the lock goes with the process, however it ends)."""
     check_output(out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARKER).write_text("written by `nystromformer demo`; deleted and rewritten by the next demo run\n")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / MARKER, "a+") as marker:
+        try:
+            fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"--output {out}: another demo is running in this folder; wait for it to finish or "
+                            f"choose another --output") from None
+        for child in out.iterdir():
+            if child.name == MARKER:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        marker.truncate(0)
+        marker.write("written by `nystromformer demo`; deleted and rewritten by the next demo run\n")
+        marker.flush()
+        yield
+
+
+def run_demo(out: Path) -> int:
+    """Every step, into ``out`` (claimed by the caller: ``claimed_output``)."""
     for name in ("tiny-128", "tiny-512"):
         (out / name).mkdir()
         shutil.copy(SAMPLES / name / "config.json", out / name / "config.json")
@@ -175,12 +197,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output(args.output.resolve())  # the user's choice of folder; past this, a failure is the demo's
-    try:
-        return run_demo(args.output)
-    except (DemoError, UserError) as e:  # a step failed (its own output is above): not the user's mistake
-        print(f"demo failed: {e}", file=sys.stderr)
-        return 1
+    out = args.output.resolve()
+    with claimed_output(out):  # the user's choice of folder; past this, a failure is the demo's
+        try:
+            return run_demo(out)
+        except (DemoError, UserError) as e:  # a step failed (its own output is above): not the user's mistake
+            print(f"demo failed: {e}", file=sys.stderr)
+            return 1
 
 
 def add_commands(subparsers) -> None:

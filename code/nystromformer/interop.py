@@ -16,6 +16,7 @@ import dataclasses
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
@@ -257,14 +258,16 @@ def _check_weights_fit(state: Dict[str, torch.Tensor], mc: ModelConfig, num_labe
 
 
 def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_weights: Optional[PathLike] = None,
-              num_labels: Optional[int] = None, log: Callable[[str], None] = print) -> Path:
+              num_labels: Optional[int] = None, log: Callable[[str], None] = print, overwrite: bool = False) -> Path:
     """Write a folder that ``transformers.AutoModelFor...from_pretrained`` loads: config.json, safetensors
-    weights and (when the model folder names one) the tokenizer."""
-    output = Path(output)
+    weights and (when the model folder names one) the tokenizer. ``output`` must be new or empty, or (with
+    ``overwrite``) a previous export, which is replaced as a whole."""
+    output = Path(output).resolve()  # a link to a folder: the folder is replaced, not the link
     if glue_weights is not None and epoch is not None:
         raise InteropError("give --checkpoint N (a pretraining checkpoint) or --glue-weights PATH, not both")
     if glue_weights is None and num_labels is not None:
         raise InteropError("--num-labels checks a classifier: it applies with --glue-weights only")
+    check_export_output(output, overwrite)
     if glue_weights is not None:
         state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
         if num_labels is not None and num_labels != found:
@@ -278,32 +281,76 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         saved = checkpoint.load(source)
         state, mc, num_labels = saved["model_state_dict"], _trained_model_config(saved, cfg, source, log), None
         label_names = None
-    if output.exists() and not output.is_dir():
-        raise InteropError(f"--output {output}: is a file; give a folder to write")
     _check_weights_fit(state, mc, num_labels, source)
     for note in check_exportable(mc):
         log(f"note: {note}")
     model = build_hf_model(mc, state, num_labels, _special_tokens(cfg), label_names)
-    output.mkdir(parents=True, exist_ok=True)
-    before = {p: p.stat().st_mtime_ns for p in output.iterdir()}
-    model.save_pretrained(str(output))  # safetensors
-    for path in output.iterdir():  # transformers writes model.safetensors 0600: the umask's mode, as other files
-        if path.is_file() and before.get(path) != path.stat().st_mtime_ns:
-            path.chmod(0o666 & ~atomic.current_umask())
+    # Written into a new folder beside the output, then renamed into place: an export that fails half-way leaves
+    # the old folder as it was, and an overwritten one keeps no file of the previous export.
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
     try:
-        tokenizer = model_tokenizer(cfg)
-        tok = load_tokenizer(tokenizer)
-    except (ConfigError, TokenizerError) as e:
-        log(f"warning: no tokenizer found ({e}): exported the weights only; copy the tokenizer files into the "
-            f"folder before using pipeline()")
-    else:
-        tok.model_max_length = mc.max_seq_len
-        tok.save_pretrained(str(output))
-        for name in TOKENIZER_FILES:  # also the source files (vocab.json, merges.txt) for other readers
-            if isinstance(tokenizer, Path) and (tokenizer / name).is_file() and not (output / name).exists():
-                shutil.copyfile(tokenizer / name, output / name)
+        model.save_pretrained(str(staging))  # safetensors
+        try:
+            tokenizer = model_tokenizer(cfg)
+            tok = load_tokenizer(tokenizer)
+        except (ConfigError, TokenizerError) as e:
+            log(f"warning: no tokenizer found ({e}): exported the weights only; copy the tokenizer files into the "
+                f"folder before using pipeline()")
+        else:
+            tok.model_max_length = mc.max_seq_len
+            tok.save_pretrained(str(staging))
+            for name in TOKENIZER_FILES:  # also the source files (vocab.json, merges.txt) for other readers
+                if isinstance(tokenizer, Path) and (tokenizer / name).is_file() and not (staging / name).exists():
+                    shutil.copyfile(tokenizer / name, staging / name)
+        # mkdtemp makes the folder 0700 and transformers writes model.safetensors 0600: the umask's modes instead
+        umask = atomic.current_umask()
+        staging.chmod(0o777 & ~umask)
+        for path in staging.iterdir():
+            if path.is_file():
+                path.chmod(0o666 & ~umask)
+        _replace_folder(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
     log(f"exported {source} as transformers {model.__class__.__name__} to {output}")
     return output
+
+
+def check_export_output(output: Path, overwrite: bool) -> None:
+    """The export's folder: new or empty; a previous export only with ``overwrite``; never anything else (a model
+    folder of this project, data): the export replaces the whole folder."""
+    if not output.exists():
+        atomic.check_writable_folder(output, "--output")
+        return
+    if not output.is_dir():
+        raise InteropError(f"--output {output}: is a file; give a folder to write")
+    atomic.check_writable_folder(output.parent, "--output")
+    if not any(output.iterdir()):
+        return
+    config = output / "config.json"
+    try:
+        exported = "model_type" in json.loads(config.read_text())
+    except (OSError, ValueError, TypeError):
+        exported = False
+    if not exported:
+        raise InteropError(f"--output {output}: holds files and is not a transformers model folder (no config.json "
+                           f"with a model_type); the export replaces the whole folder: give a new or empty one")
+    if not overwrite:
+        raise InteropError(f"--output {output}: holds a transformers model already; give --overwrite to replace "
+                           f"it (every file in it), or another folder")
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Put folder ``new`` at ``target`` (same parent), removing what was there only once ``new`` is in place."""
+    old = None
+    if target.exists():
+        old = new.with_name(new.name + ".old")
+        target.rename(old)
+    new.rename(target)
+    atomic.fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -457,7 +504,11 @@ def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, famil
             elif k == checkpoint.POSITION_KEY and w.shape[0] < v.shape[0]:
                 w = checkpoint.extend_position_embeddings({k: w}, mc.max_seq_len)[k]
             if w.shape != v.shape:
-                raise InteropError(f"{name} has shape {tuple(w.shape)}, our {k} expects {tuple(v.shape)}")
+                hint = ""
+                if k.endswith("attn.conv.weight"):  # typically a --conv-kernel-size other than the weights'
+                    hint = (f" (model.conv_kernel_size {mc.conv_kernel_size}, but the weights' conv kernel is "
+                            f"{w.shape[2]}: a different size cannot reuse them)")
+                raise InteropError(f"{name} has shape {tuple(w.shape)}, our {k} expects {tuple(v.shape)}{hint}")
             out[k] = w.to(v.dtype).clone()
             used.add(name)
         else:
@@ -617,7 +668,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
                    help="fine-tuned sequence-classification weights (a file with model_state_dict) to export "
                         "as NystromformerForSequenceClassification")
     p.add_argument("--num-labels", type=int, default=None, help="expected number of labels (checked)")
-    p.add_argument("--output", required=True, help="folder to write")
+    p.add_argument("--output", required=True, help="folder to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous export in --output (every file)")
 
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:
@@ -635,7 +687,8 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    export_hf(load_config(args.model_dir), args.output, args.checkpoint, args.glue_weights, args.num_labels)
+    export_hf(load_config(args.model_dir), args.output, args.checkpoint, args.glue_weights, args.num_labels,
+              overwrite=args.overwrite)
     return 0
 
 
