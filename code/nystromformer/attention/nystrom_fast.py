@@ -366,9 +366,8 @@ class _TritonNystrom(torch.autograd.Function):
         if need_v:
             dv = dv_pass1
             if conv_weight is not None:
-                taps = nt.conv_taps(conv_weight).flip(-1).contiguous()
-                dv = nt.conv_raw(g, keep, taps, dv_pass1, in_mask=False, out_mask=True, like=like_v,
-                                 out=into(dv_pass1, like_v))
+                dv = nt.conv_raw(g, keep, nt.conv_taps(conv_weight), dv_pass1, in_mask=False, out_mask=True,
+                                 like=like_v, out=into(dv_pass1, like_v), flip=True)
         if conv_weight is not None and need_w:
             dw = nt.conv_weight_grad_mm(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
         return dq, dk, dv, dw, None, None, None

@@ -637,7 +637,7 @@ if triton is not None:
 
     @triton.jit
     def _dwconv_kernel(X, sxb, sxh, sxn, sxd, KEEP, W, RES, srb, srh, srn, srd, OUT, sob, soh, son, sod, H, N, D,
-                       KS: tl.constexpr,
+                       KS: tl.constexpr, FLIP: tl.constexpr,
                        IN_MASK: tl.constexpr, OUT_MASK: tl.constexpr, HAS_RES: tl.constexpr,
                        BLOCK_N: tl.constexpr, WIN: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
                        PREC: tl.constexpr):
@@ -645,12 +645,14 @@ if triton is not None:
         # A tile of BLOCK_N output rows is one matrix product: the banded Toeplitz matrix of the taps
         # (BLOCK_N × WIN, WIN ≥ BLOCK_N + KS - 1) times the window of input rows it reads (WIN × d). Each input
         # row is loaded ~WIN/BLOCK_N times instead of KS times, and the sum runs on the tensor cores.
+        # FLIP: the taps in reverse order (the input gradient's conv), read so rather than copied flipped.
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         pad = KS // 2
         tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
-        band = tl.load(W + h * KS + tap, mask=(tap >= 0) & (tap < KS), other=0.0).to(X.dtype.element_ty)
+        band = tl.load(W + h * KS + (KS - 1 - tap if FLIP else tap), mask=(tap >= 0) & (tap < KS),
+                       other=0.0).to(X.dtype.element_ty)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols[None, :] < D
         base = X + b * sxb + h * sxh
@@ -1114,14 +1116,15 @@ def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: 
     tiles = min(8, triton.cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
     nprog = triton.cdiv(n, c["BLOCK_N"] * tiles)
     acc = _acc_dtype(q.dtype)
-    dkl_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
-    dzw_p = torch.empty_like(dkl_p)
+    # Both gradients' per-program partials in one buffer: one sum over the programs for the two
+    parts = torch.empty(2, b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
     dq = torch.empty_like(q)
     _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep.contiguous(), k_land.contiguous(), zw.contiguous(), g,
-                                   *g.stride(), dq, *dq.stride(), dkl_p, dzw_p, h, n, m, d, d ** -0.5, TILES=tiles,
-                                   IS_F64=acc == torch.float64, num_warps=8, **c)
-    dkl = dkl_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(k_land.dtype).contiguous()
-    dzw = dzw_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(zw.dtype).contiguous()
+                                   *g.stride(), dq, *dq.stride(), parts[0], parts[1], h, n, m, d, d ** -0.5,
+                                   TILES=tiles, IS_F64=acc == torch.float64, num_warps=8, **c)
+    sums = parts.sum(2)[:, :, :m, :d]
+    dkl = sums[0].reshape(b, h, m, d).to(k_land.dtype).contiguous()
+    dzw = sums[1].reshape(b, h, m, d).to(zw.dtype).contiguous()
     return dq, dkl, dzw
 
 
@@ -1217,8 +1220,9 @@ def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------- depthwise conv
-def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=None):
-    """No autograd: ``res + out_keep·conv(in_keep·x)`` with taps w (h, k), written with ``like``'s strides
+def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=None, flip=False):
+    """No autograd: ``res + out_keep·conv(in_keep·x)`` with taps w (h, k) (reversed if ``flip``: the input
+    gradient's conv), written with ``like``'s strides
     (default: contiguous), or into ``out`` (which may be ``res``, not x: each element of res is read and then
     written by the same program, while x is read across rows)."""
     b, h, n, d = x.shape
@@ -1232,7 +1236,7 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=
     prec = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(x.dtype, "tf32")
     rs = res.stride() if res is not None else (0, 0, 0, 0)
     _dwconv_kernel[(b * h, triton.cdiv(n, block_n * tiles))](
-        x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks,
+        x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks, FLIP=flip,
         IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
         WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=_block(d), TILES=tiles,
         PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
@@ -1288,9 +1292,9 @@ def _conv_forward(v: torch.Tensor, keep: torch.Tensor, w: torch.Tensor, res: Opt
     return conv_raw(v, keep.contiguous(), w, res, in_mask=True, out_mask=False, out=out)
 
 
-@_opaque(lambda g, keep, w_flipped: g.new_empty(g.shape))
-def _conv_input_grad(g: torch.Tensor, keep: torch.Tensor, w_flipped: torch.Tensor) -> torch.Tensor:
-    return conv_raw(g.contiguous(), keep.contiguous(), w_flipped, None, in_mask=False, out_mask=True)
+@_opaque(lambda g, keep, w: g.new_empty(g.shape))
+def _conv_input_grad(g: torch.Tensor, keep: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return conv_raw(g.contiguous(), keep.contiguous(), w, None, in_mask=False, out_mask=True, flip=True)
 
 
 @_opaque(lambda v, keep, g, ks: v.new_empty((v.shape[1], 1, ks, 1), dtype=_acc_dtype(v.dtype)))
@@ -1314,7 +1318,7 @@ class _ConvAdd(torch.autograd.Function):
         g_dense = g.contiguous()
         dv = dw = None
         if ctx.needs_input_grad[0]:
-            dv = _conv_input_grad(g_dense, keep, w.flip(-1).contiguous()).to(v.dtype)
+            dv = _conv_input_grad(g_dense, keep, w).to(v.dtype)
         if ctx.needs_input_grad[2]:
             dw = _conv_weight_grad(v, keep, g_dense, w.shape[-1]).to(w.dtype)
         return dv, None, dw, (g if ctx.has_res else None)
