@@ -52,12 +52,15 @@ def configs(dt: str, prec: str, wide: bool):
            dict(G=p, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"), GX=p, **strides("sxb", "sxh", "sxn", "sxd"),
                 H=I32, N=I32, M=I32, D=I32),
            dict(HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
-    yield ("conv + residual", nt._dwconv_kernel,
-           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
-                **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
-                H=I32, N=I32, D=I32),
-           dict(KS=33, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64, TILES=8,
-                PREC=prec), 8)
+    conv_args = dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
+                     **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
+                     H=I32, N=I32, D=I32)
+    yield ("conv + residual", nt._dwconv_kernel, conv_args,
+           dict(KS=33, FLIP=False, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
+                TILES=8, PREC=prec), 8)
+    yield ("conv input gradient (taps reversed) + pass 1's dV", nt._dwconv_kernel, conv_args,
+           dict(KS=33, FLIP=True, IN_MASK=False, OUT_MASK=True, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
+                TILES=8, PREC=prec), 8)
     yield ("conv weight gradient", nt._dwconv_wgrad_kernel,
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, BLOCK_D=64, IS_F64=False), 4)
