@@ -645,3 +645,29 @@ def test_import_with_another_conv_kernel_size_than_the_weights_names_both(tmp_pa
     assert code == 2
     assert "model.conv_kernel_size 5, but the weights' conv kernel is 1" in capsys.readouterr().err
     assert not (tmp_path / "back" / "imported").exists()
+
+
+def test_an_export_killed_mid_way_is_cleaned_up_or_restored_by_the_next(tmp_path):
+    from nystromformer.interop import STAGING_SUFFIX
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    files = sorted(p.name for p in out.iterdir())
+    # killed between the two renames: the previous export is aside, no "hf"
+    aside = tmp_path / f".hf.abc{STAGING_SUFFIX}.old"
+    out.rename(aside)
+    half = tmp_path / f".hf.def{STAGING_SUFFIX}"  # and a half-written new one
+    half.mkdir()
+    (half / "config.json").write_text("{")
+    logs = []
+    with pytest.raises(InteropError, match="--overwrite"):  # the restored export still needs --overwrite
+        export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == files
+    assert any("restoring" in line for line in logs) and any("removing" in line for line in logs)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]
+
+
+def test_a_folder_named_like_a_temporary_file_in_the_checkpoint_folder_is_left_alone(tmp_path):
+    (tmp_path / ".cp-0001.model.x1.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".hf.x2.tmp").mkdir()
+    checkpoint.remove_stale_temp_files(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [".hf.x2.tmp"]

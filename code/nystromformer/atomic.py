@@ -89,6 +89,23 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def swap_folder(new: Path, target: Path, aside: Path) -> None:
+    """Rename ``target`` (if there is one) to ``aside`` and ``new`` into its place; the caller removes ``aside``.
+
+    An exception between the renames (KeyboardInterrupt, SIGTERM raised as one) puts the old folder back; a kill
+    there leaves no ``target`` but ``aside`` intact, for the caller's next run to restore."""
+    try:
+        if target.exists():
+            os.rename(target, aside)
+        os.rename(new, target)
+    except BaseException:
+        # Judged from the file system: the exception may arrive just before or just after either rename.
+        if not os.path.lexists(target) and os.path.isdir(aside):
+            os.rename(aside, target)
+        raise
+    fsync_dir(target.parent)
+
+
 def write_json(path: PathLike, obj) -> None:
     with atomic_open(path, "w") as f:
         json.dump(obj, f, indent=2)

@@ -63,7 +63,8 @@ def save_preempted(checkpoint_dir: Path, state: dict) -> Path:
 def remove_stale_temp_files(checkpoint_dir: Path) -> None:
     """Temporary files of atomic writes interrupted by a hard kill (they can be GBs)."""
     for path in Path(checkpoint_dir).glob(".*.tmp"):
-        path.unlink()
+        if path.is_file():  # atomic.py's temporaries are files; a folder of that name is not ours to delete
+            path.unlink()
 
 
 def resumable_checkpoints(checkpoint_dir: Path, batches_per_epoch: int) -> List[Tuple[int, Path]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import re
 import shutil
@@ -34,6 +35,7 @@ PathLike = Union[str, Path]
 # transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.
 HF_PINV_ITERATIONS = 6
 IMPORTED_WEIGHTS = "imported/hf-import.model"
+STAGING_SUFFIX = ".export-staging"  # the hidden folder an export is written into before it is renamed in place
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's, in a state dict saved from the wrapper
 HF_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers",
                     "max_position_embeddings")
@@ -267,6 +269,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         raise InteropError("give --checkpoint N (a pretraining checkpoint) or --glue-weights PATH, not both")
     if glue_weights is None and num_labels is not None:
         raise InteropError("--num-labels checks a classifier: it applies with --glue-weights only")
+    _remove_stale_staging(output, log)
     check_export_output(output, overwrite)
     if glue_weights is not None:
         state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
@@ -288,7 +291,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
     # Written into a new folder beside the output, then renamed into place: an export that fails half-way leaves
     # the old folder as it was, and an overwritten one keeps no file of the previous export.
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=STAGING_SUFFIX, dir=output.parent))
     try:
         model.save_pretrained(str(staging))  # safetensors
         try:
@@ -309,7 +312,10 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         for path in staging.iterdir():
             if path.is_file():
                 path.chmod(0o666 & ~umask)
-        _replace_folder(staging, output)
+        aside = staging.with_name(staging.name + ".old")
+        atomic.swap_folder(staging, output, aside)
+        if aside.exists():
+            shutil.rmtree(aside)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
@@ -341,16 +347,18 @@ def check_export_output(output: Path, overwrite: bool) -> None:
                            f"it (every file in it), or another folder")
 
 
-def _replace_folder(new: Path, target: Path) -> None:
-    """Put folder ``new`` at ``target`` (same parent), removing what was there only once ``new`` is in place."""
-    old = None
-    if target.exists():
-        old = new.with_name(new.name + ".old")
-        target.rename(old)
-    new.rename(target)
-    atomic.fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old)
+def _remove_stale_staging(output: Path, log: Callable[[str], None]) -> None:
+    """Folders an export killed mid-way left beside ``output``: a half-written new export (removed), or the
+    previous export moved aside just before the new one was renamed in (put back when ``output`` is missing)."""
+    for path in sorted(output.parent.glob(f".{glob.escape(output.name)}.*{STAGING_SUFFIX}*")):
+        if not path.is_dir():
+            continue
+        if path.name.endswith(".old") and not output.exists():
+            log(f"note: restoring {output} from {path.name} (an export killed while replacing it)")
+            path.rename(output)
+        else:
+            log(f"note: removing {path} (left by an export that was killed)")
+            shutil.rmtree(path)
 
 
 # ---------------------------------------------------------------------------------------------------------

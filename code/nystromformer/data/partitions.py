@@ -225,16 +225,7 @@ def _swap_in(work: Path, output: Path) -> None:
     An exception between the renames (KeyboardInterrupt, SIGTERM raised as one) puts the old folder back; a kill
     there leaves no ``output`` (an error for readers, never a mix) and the next run restores it."""
     old = work.with_name(work.name[: -len(".partial")] + ".old")
-    try:
-        if output.exists():
-            os.rename(output, old)
-        os.rename(work, output)
-    except BaseException:
-        # Judged from the file system: the exception may arrive just before or just after either rename.
-        if not os.path.lexists(output) and os.path.isdir(old):
-            os.rename(old, output)
-        raise
-    atomic.fsync_dir(output.parent)
+    atomic.swap_folder(work, output, old)
     if os.path.lexists(old):
         # Renamed first: a kill during the removal leaves a half-deleted .trash, which is never restored (a .old is).
         trash = old.with_name(old.name[: -len(".old")] + ".trash")
