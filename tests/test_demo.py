@@ -105,3 +105,16 @@ def test_a_demo_folder_is_emptied_before_a_new_run(tmp_path):
     with demo.claimed_output(out):
         assert [p.name for p in out.iterdir()] == [demo.MARKER]
         assert "written by `nystromformer demo`" in (out / demo.MARKER).read_text()
+
+
+def test_on_a_file_system_without_locks_the_demo_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from nystromformer import demo
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(demo.fcntl, "flock", no_locks)
+    with demo.claimed_output(tmp_path / "demo-output"):
+        assert (tmp_path / "demo-output" / demo.MARKER).is_file()
+    assert "does not support locks" in capsys.readouterr().err

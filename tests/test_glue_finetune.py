@@ -1095,3 +1095,21 @@ def test_a_tokenizer_that_cannot_be_found_is_an_error_naming_the_config_key(fixt
     err = capsys.readouterr().err
     assert err.startswith(f"error: {config_file}: tokenizer: tokenizer '{fixture_model_dir / 'no-such-tokenizer'}' "
                           f"is neither a folder nor in the local Hugging Face cache"), err
+
+
+def test_an_in_process_sweep_reports_a_users_mistake_in_one_line_and_a_bug_with_its_traceback(
+        fixture_model_dir, monkeypatch):
+    import nystromformer.glue.sweep as sweep
+    from nystromformer.errors import UserError
+    outcomes = iter([UserError("RTE: no train.tsv in glue/RTE"), AttributeError("'NoneType' has no attribute 'x'")])
+
+    def finetune(model_dir, settings, log):
+        raise next(outcomes)
+    monkeypatch.setattr(sweep, "finetune", finetune)
+    runs = grid(["MRPC"], lrs=[1e-3, 2e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    messages = []
+    outcome = run_sweep(fixture_model_dir, runs, log=messages.append)
+    assert sorted(outcome["failed"]) == sorted(s.run_name for s in runs)
+    failed = [m for m in messages if m.startswith("FAILED")]
+    assert failed[0] == f"FAILED {runs[0].run_name}: RTE: no train.tsv in glue/RTE"
+    assert failed[1].startswith(f"FAILED {runs[1].run_name}: AttributeError") and "Traceback" in failed[1]

@@ -671,3 +671,16 @@ def test_a_folder_named_like_a_temporary_file_in_the_checkpoint_folder_is_left_a
     (tmp_path / ".hf.x2.tmp").mkdir()
     checkpoint.remove_stale_temp_files(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [".hf.x2.tmp"]
+
+
+def test_a_checkpoint_whose_recorded_settings_no_longer_validate_is_exported_with_a_note(tmp_path):
+    model = ours(num_landmarks=8)
+    folder = write_checkpoint(tmp_path, model)
+    path = folder / "model" / "cp-0000.model"
+    saved = checkpoint.load(path)
+    saved["config"] = {"model": {**dataclasses.asdict(model.config), "attn_type": "an-old-name"}}
+    atomic.torch_save(path, saved)
+    logs = []
+    export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
+    assert any("records model settings this version does not accept" in line and "attn_type" in line
+               for line in logs), logs

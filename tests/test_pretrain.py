@@ -1101,3 +1101,17 @@ def test_a_change_to_a_meta_json_build_setting_refuses_the_resume_naming_it(tmp_
     with pytest.raises(ConfigError, match=rf"data/meta.json: {key} was null, is {re.escape(json.dumps(value))}\)"):
         check_resumable_data(saved, cfg, data_fingerprint(cfg.data_dir, ShardedSequences(cfg.data_dir, "train")),
                              "cp-0000.cp")
+
+
+def test_a_checkpoint_the_machine_cannot_read_is_not_called_damaged(tmp_path, monkeypatch):
+    import torch
+
+    from nystromformer import checkpoint
+    path = tmp_path / "cp-0001.model"
+    path.write_bytes(b"PK\x03\x04")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(torch, "load", refused)
+    with pytest.raises(PermissionError):  # cli.run_command reports it as "permission denied", naming the file
+        checkpoint.load(path)

@@ -95,6 +95,8 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: unreadable checkpoint: it holds a Python object "
                               f"({what.group(1) if what else 'not a tensor or plain value'}) that loading would have "
                               f"to run code to rebuild; only tensors and plain values are loaded") from None
+    except (PermissionError, MemoryError, torch.cuda.OutOfMemoryError):
+        raise  # the machine's state, not the file's: reported as what it is (cli names an unreadable file)
     except Exception as e:  # truncated zip, bad magic...
         raise CheckpointError(f"{path}: unreadable checkpoint: not a file torch.save wrote, or damaged "
                               f"({type(e).__name__}: {e})") from None

@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 from typing import Iterator, List
 
-from . import jsonlog
+from . import atomic, jsonlog
 from .atomic import check_output_folder
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
-from .pretrain import LOG_NAME as PRETRAIN_LOG, PREEMPTED_EXIT_CODE
+from .pretrain import LOG_NAME as PRETRAIN_LOG, NO_FLOCK_ERRNOS, PREEMPTED_EXIT_CODE
 from .validate import LOG_NAME as VALIDATION_LOG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,6 +138,11 @@ def claimed_output(out: Path) -> Iterator[None]:
         except BlockingIOError:
             raise UserError(f"--output {out}: another demo is running in this folder; wait for it to finish or "
                             f"choose another --output") from None
+        except OSError as e:  # a file system without locks (some cluster mounts), as pretraining's folder_lock
+            if e.errno not in NO_FLOCK_ERRNOS:
+                raise
+            print(f"warning: {out}: this file system does not support locks ({e.strerror}); running without one",
+                  file=sys.stderr, flush=True)
         for child in out.iterdir():
             if child.name == MARKER:
                 continue
@@ -187,7 +192,7 @@ def run_demo(out: Path) -> int:
                   "--output", out / "loss-curves.png")
 
     text = summary(out, interrupted_at, task)
-    (out / "summary.md").write_text(text + "\n")
+    atomic.write_text(out / "summary.md", text + "\n")
     print("\n" + text + f"\n\nDemo finished in {time.time() - t0:.0f} s; everything is in {out}")
     return 0
 

@@ -231,7 +231,9 @@ def _trained_model_config(saved: dict, cfg: Config, source: Path, log) -> ModelC
         return cfg.model
     try:
         trained = config_from_dict({"model": stored}).model
-    except ConfigError:
+    except ConfigError as e:
+        log(f"note: {source} records model settings this version does not accept ({e}); exporting with "
+            f"config.json's model settings")
         return cfg.model
     differ = [f.name for f in dataclasses.fields(ModelConfig) if getattr(trained, f.name) != getattr(cfg.model, f.name)]
     if differ:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from . import jsonlog
+from . import atomic, jsonlog
 from .atomic import check_output_folder
 from .cli import add_subcommand
 from .config import load_config
@@ -43,7 +43,8 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
     ax_acc.legend()
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
+    with atomic.atomic_open(output, "wb") as f:
+        fig.savefig(f, format=output.suffix.lstrip(".").lower() or "png", dpi=100)  # as savefig(path) infers
     plt.close(fig)
     return output
 

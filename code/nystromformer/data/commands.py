@@ -28,9 +28,6 @@ def cmd_extract_wiki(args) -> int:
     from .wiki import extract_wiki
     check_output_folder(args.output)
     _logging()
-    if not Path(args.dump).is_file():
-        from .partitions import InputError
-        raise InputError(f"{args.dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
     return extract_wiki(args.dump, args.output, args.processes, args.bytes)
 
 

@@ -39,7 +39,7 @@ def extract_wiki(dump: Path, output: Path, processes: int = min(os.cpu_count() o
     from .partitions import InputError
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
-        raise FileNotFoundError(f"{dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
+        raise InputError(f"{dump}: wiki dump not found (download enwiki-latest-pages-articles.xml.bz2)")
     # wikiextractor itself hangs with no worker process and exits 0 after rejecting a size.
     if not 1 <= processes <= MAX_PROCESSES:
         raise InputError(f"--processes: must be from 1 to {MAX_PROCESSES}, got {processes}")

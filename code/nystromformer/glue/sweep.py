@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
@@ -32,6 +33,7 @@ import numpy as np
 from .. import atomic
 from ..checkpoint import find_model
 from ..config import load_config
+from ..errors import UserError
 from ..runtime import resolve_device
 from .finetune import (PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_max_seq_len, check_task_folder,
                        finetune, is_finished, read_result, run_dir)
@@ -220,7 +222,10 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
                 finetune(model_dir, settings, log=log)
             except Exception as e:  # one bad run (e.g. a task's data missing) must not stop the grid
                 failed.append(settings.run_name)
-                log(f"FAILED {settings.run_name}: {type(e).__name__}: {e}")
+                if isinstance(e, UserError):
+                    log(f"FAILED {settings.run_name}: {e}")
+                else:  # not a user's mistake: the traceback, as a subprocess run's console.txt would keep it
+                    log(f"FAILED {settings.run_name}: {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}")
 
     summary = write_summary(checkpoint_dir, runs, log=log, glue_dir=glue_dir)
     return {"summary": summary, "ran": [s.run_name for s in pending if s.run_name not in failed],

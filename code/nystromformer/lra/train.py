@@ -8,6 +8,7 @@ of the checkpoint with the best dev accuracy. Every setting is a flag, so tests 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import random
@@ -21,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import atomic
 from ..config import ModelConfig, config_from_dict
 from ..model import Encoder, init_weights
 from ..errors import UserError
@@ -212,11 +214,12 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
     deviation over seeds for each attention type that ran with more than one seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cols = ["attn_type", "seed", "test_accuracy", "best_dev_accuracy", "best_step", "steps", "train_seconds", "params"]
-    with open(out_dir / "listops_results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for r in results:
-            w.writerow({c: r[c] for c in cols})
+    table = io.StringIO(newline="")
+    w = csv.DictWriter(table, fieldnames=cols)
+    w.writeheader()
+    for r in results:
+        w.writerow({c: r[c] for c in cols})
+    atomic.write_text(out_dir / "listops_results.csv", table.getvalue())  # rewritten after each run: never torn
     lines = [f"## {title}", "", f"Settings: `{json.dumps(settings.__dict__)}`", "",
              f"Majority-class test accuracy: {100 * majority:.2f}%", "",
              "| attention | seed | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | params |",
@@ -237,4 +240,4 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
             dev = [100 * r["best_dev_accuracy"] for r in rs]
             lines.append(f"| {t} | {len(rs)} | {statistics.mean(test):.2f} ± {statistics.stdev(test):.2f} | "
                          f"{statistics.mean(dev):.2f} ± {statistics.stdev(dev):.2f} |")
-    (out_dir / "listops_results.md").write_text("\n".join(lines) + "\n")
+    atomic.write_text(out_dir / "listops_results.md", "\n".join(lines) + "\n")
