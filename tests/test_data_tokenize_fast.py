@@ -36,7 +36,7 @@ def random_text(rng: random.Random, length: int) -> str:
 
 def test_word_cache_applies_to_roberta_and_matches_on_mixed_unicode(roberta):
     encoder = DocumentEncoder(roberta)
-    assert encoder.fast is not None
+    assert encoder.word_cache is not None
     rng = random.Random(0)
     docs = [random_text(rng, rng.randint(1, 400)) for _ in range(300)]
     for doc, ids in zip(docs, encoder.encode(docs)):
@@ -69,7 +69,7 @@ def test_a_full_cache_restarts_without_changing_ids(roberta, monkeypatch):
     rng = random.Random(1)
     docs = [random_text(rng, 200) for _ in range(20)]
     assert [i.tolist() for i in encoder.encode(docs)] == [library_ids(roberta, d) for d in docs]
-    assert len(encoder.fast.cache) <= 8
+    assert len(encoder.word_cache.cache) <= 8
 
 
 def test_other_tokenizers_use_the_library(tmp_path):
@@ -79,7 +79,7 @@ def test_other_tokenizers_use_the_library(tmp_path):
     wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]")
     encoder = DocumentEncoder(tokenizer)
-    assert encoder.fast is None
+    assert encoder.word_cache is None
     assert encoder.encode(["hello world there"])[0].tolist() == [1, 2, 0]
 
 
@@ -104,6 +104,6 @@ def test_a_word_cache_that_disagrees_with_the_tokenizer_on_the_probe_is_not_used
     monkeypatch.setattr(tok_mod.WordCachedBPE, "encode_word", lambda self, word: tuple(reversed(real(self, word))))
     with caplog.at_level("WARNING"):
         encoder = DocumentEncoder(roberta, allow_word_cache=True)
-    assert encoder.fast is None and "disagrees with the tokenizer on a probe text" in caplog.text
+    assert encoder.word_cache is None and "disagrees with the tokenizer on a probe text" in caplog.text
     text = "Tokenizers must agree id for id."
     assert encoder.encode([text])[0].tolist() == library_ids(roberta, text)

@@ -112,7 +112,7 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
         masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special, vocab_size)
                   for i, r in enumerate(rows)]
         inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
-        label_counts += torch.bincount(labels[labels != -100], minlength=vocab_size)
+        label_counts += torch.bincount(labels[labels != IGNORE_INDEX], minlength=vocab_size)
         attention_mask = padding_mask(inputs, special["pad"])
         inputs, labels, attention_mask, positions = to_device((inputs, labels, attention_mask,
                                                                masked_positions_of(labels)), device)

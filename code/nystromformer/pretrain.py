@@ -36,7 +36,7 @@ from .errors import UserError
 from .jsonlog import JsonLog
 from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed, evaluate_fp16_safe,
                   generator, mask_tokens, micro_batches, padding_mask, to_device)
-from .model import NystromformerForMaskedLM, masked_positions_of
+from .model import IGNORE_INDEX, NystromformerForMaskedLM, masked_positions_of
 from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
                      check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
                      rng_state, set_rng_state)
@@ -117,8 +117,8 @@ NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 @contextlib.contextmanager
 def folder_lock(ckpt_dir, rt: Runtime, config_file="config.json"):
-    """Create the model folder and hold an exclusive flock on its lock file (rank 0 only) while the run lasts;
-    refuse at once if another run holds it. The lock goes with the process, so a killed run leaves none behind.
+    """Create the checkpoint folder (``model_checkpoints``) and hold an exclusive flock on its lock file (rank 0
+    only) while the run lasts; refuse at once if another run holds it. The lock goes with the process, so a killed run leaves none behind.
     Under DDP rank 0 broadcasts the outcome, so that a failure there (a read-only folder...) stops every rank
     rather than leaving the others in the next collective until the process group's timeout."""
     path = ckpt_dir / LOCK_NAME
@@ -328,7 +328,7 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         started = time.perf_counter()
         ids = torch.from_numpy(train.rows(order.indices(done * ps.batch_size, ps.batch_size)))
         inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, done), ps.mask_prob, special, vocab_size)
-        total_masked = max(int((labels != -100).sum()), 1)
+        total_masked = max(int((labels != IGNORE_INDEX).sum()), 1)
         mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
         inputs, labels = inputs[mine], labels[mine]
         attention_mask = padding_mask(inputs, special["pad"])  # None for full-length rows (no padding)
@@ -363,9 +363,9 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             dist.all_reduce(totals)
         return QueuedStep(done + 1, started, lr, total_masked, totals, preemption.queue_agreement(rt))
 
-    def report(queued: QueuedStep, next_started: Optional[float] = None) -> int:
+    def report(queued: QueuedStep, bar: tqdm, next_started: Optional[float] = None) -> int:
         """Read back a queued step's loss (waiting for that step's work only), check it is finite, log it and
-        advance the progress bar; returns the signal every rank stops for (0: none). ``next_started``: when the
+        advance the epoch's progress bar; returns the signal every rank stops for (0: none). ``next_started``: when the
         next step began to be queued, if it has been."""
         loss_sum, correct = queued.totals.tolist()
         signum = preemption.agreement(queued.stop_flag)
@@ -404,11 +404,11 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
             current = queue_step(step)
             step += 1
             try:
-                signum = report(queued, current.started) if queued is not None else 0
+                signum = report(queued, bar, current.started) if queued is not None else 0
                 queued = current
                 stopping = signum or (stop_at_step is not None and step >= stop_at_step)
                 if stopping or step % ps.batches_per_epoch == 0:
-                    signum = max(signum, report(queued))  # every step's loss is checked before a checkpoint
+                    signum = max(signum, report(queued, bar))  # every step's loss is checked before a checkpoint
                     queued = None
             except TrainingDiverged:
                 bar.close()

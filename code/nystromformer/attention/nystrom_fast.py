@@ -47,6 +47,11 @@ from .nystrom import AttentionSettingError, pinv_init, segment_means
 
 
 TRITON_MODES = ("0", "1", "all")
+# The Triton kernels' limits; beyond them the fast path runs on PyTorch ops.
+MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
+# Tiles are sized for head_dim ≤ 64: at 128, fp32 backward and conv kernels need 300+ KB of shared memory, over
+# the H100's 227 KB (triton.compile for sm_90 on the CPU machine).
+MAX_HEAD_DIM = 64
 
 
 def triton_mode() -> str:
@@ -90,7 +95,7 @@ def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch
 def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_triton: bool = False,
          precision: str = "ieee") -> torch.Tensor:
     z0 = pinv_init(a, init)
-    if use_triton and a.shape[-1] <= 64:  # nystrom_triton.MAX_LANDMARKS
+    if use_triton and a.shape[-1] <= MAX_LANDMARKS:
         from .nystrom_triton import pinv_iterate as triton_pinv_iterate
         return triton_pinv_iterate(a, z0, num_iterations, precision=precision)
     return pinv_iterate(a, z0, num_iterations)
@@ -123,9 +128,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     """
     b, h, n, d = q.shape
     if use_triton is None:
-        use_triton = d <= 64 and _triton_default(q)  # nystrom_triton.MAX_HEAD_DIM
-    elif use_triton and d > 64:
-        raise ValueError(f"the Triton kernels support head_dim <= 64, got {d} (use_triton=False uses PyTorch ops)")
+        use_triton = d <= MAX_HEAD_DIM and _triton_default(q)
+    elif use_triton and d > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton kernels support head_dim <= {MAX_HEAD_DIM}, got {d} (use_triton=False uses "
+                         f"PyTorch ops)")
     if pinv_precision == "auto":
         pinv_precision = "tf32" if q.element_size() <= 2 else "tf32x3"
     dtype = q.dtype
@@ -141,7 +147,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     # The kernels read a (b, n) keep vector whether or not there is padding (b·n bytes: nothing to save).
     kernel_keep = (keep if keep is not None else q.new_ones(b, n)) if use_triton else None
     all_kernels = use_triton and triton_mode() == "all"
-    attention_kernels = all_kernels and num_landmarks <= 64  # nystrom_triton.MAX_LANDMARKS
+    attention_kernels = all_kernels and num_landmarks <= MAX_LANDMARKS
     if fused_backward is None:
         fused_backward = all_kernels
     # The attention-pass kernels, like the others, take (b, n) vectors whether or not there is padding.

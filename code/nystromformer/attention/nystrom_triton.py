@@ -34,6 +34,9 @@ from typing import Optional
 
 import torch
 
+# The kernels' limits live beside the dispatch that checks them (which must not import triton to read them)
+from .nystrom_fast import MAX_HEAD_DIM, MAX_LANDMARKS  # noqa: F401  (also read as nystrom_triton.MAX_*)
+
 try:  # triton is an optional dependency (the `test` extra installs it; CUDA images ship it with torch)
     import triton
     import triton.language as tl
@@ -42,11 +45,6 @@ except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = exc
 else:
     _IMPORT_ERROR = None
-
-MAX_LANDMARKS = 64  # 64×64 fp32 tiles already fill the registers of 8 warps
-# Tiles are sized for head_dim ≤ 64: at 128, fp32 backward and conv kernels need 300+ KB of shared memory, over
-# the H100's 227 KB (triton.compile for sm_90 on the CPU machine); the fast path then uses PyTorch ops.
-MAX_HEAD_DIM = 64
 
 
 # The largest block of shared memory the kernels ask for at head_dim ≤ 64, by the attention's element size

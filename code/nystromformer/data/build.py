@@ -120,7 +120,7 @@ class Task:
 
 
 def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Path, meta: dict,
-                               shard_size: int, dev_fraction: float, seed: int, dev_run: int = 1) -> dict:
+                               shard_size: int, dev_fraction: float, seed: int, dev_run: int) -> dict:
     """Encode one partition file into its shards; returns its manifest entry."""
     seq_len, bos, eos = meta["max_seq_len"], meta["special_tokens"]["bos"], meta["special_tokens"]["eos"]
     block = seq_len - 2
@@ -220,9 +220,6 @@ def _write_json_if_changed(path: Path, obj) -> bool:
     return True
 
 
-# What identifies a tokenizer folder's ids (those present are hashed).
-
-
 def tokenizer_identity(tokenizer) -> str:
     """What meta.json records: a tokenizer folder's absolute path, or the Hugging Face name as given."""
     path = Path(tokenizer)
@@ -230,6 +227,7 @@ def tokenizer_identity(tokenizer) -> str:
 
 
 def _tokenizer_digest(folder: Path) -> Optional[str]:
+    """A hash of what identifies a tokenizer folder's ids (the files of TOKENIZER_FILES that are present)."""
     digest, found = hashlib.sha256(), False
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():

@@ -110,14 +110,14 @@ class DocumentEncoder:
     def __init__(self, tokenizer, allow_word_cache: Optional[bool] = None):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
-        self.fast = None
+        self.word_cache = None
         if allow_word_cache is None:  # NYSTROMFORMER_NO_WORD_CACHE=1 forces the Rust backend (for comparisons)
             allow_word_cache = os.environ.get("NYSTROMFORMER_NO_WORD_CACHE", "0") in ("", "0")
         if allow_word_cache and WordCachedBPE.applies_to(self.backend):
-            fast = WordCachedBPE(self.backend)
-            # A probe the fast path declines (None) goes to the library anyway; one it encodes must agree.
-            if all(fast.encode(t) in (None, self._encode_with_backend([t])[0]) for t in PROBE_TEXTS):
-                self.fast = fast
+            cache = WordCachedBPE(self.backend)
+            # A probe the word cache declines (None) goes to the library anyway; one it encodes must agree.
+            if all(cache.encode(t) in (None, self._encode_with_backend([t])[0]) for t in PROBE_TEXTS):
+                self.word_cache = cache
             else:
                 log.warning("the word-cached BPE disagrees with the tokenizer on a probe text; using the Rust backend")
 
@@ -125,11 +125,11 @@ class DocumentEncoder:
         return [e.ids for e in self.backend.encode_batch_fast(list(documents), add_special_tokens=False)]
 
     def encode(self, documents: Sequence[str]) -> List[np.ndarray]:
-        if self.fast is None:
+        if self.word_cache is None:
             return [np.asarray(ids, dtype=np.int64) for ids in self._encode_with_backend(documents)]
         out = []
         for document in documents:
-            ids = None if self.fast.has_special_text(document) else self.fast.encode(document)
+            ids = None if self.word_cache.has_special_text(document) else self.word_cache.encode(document)
             if ids is None:
                 ids = self._encode_with_backend([document])[0]
             out.append(np.asarray(ids, dtype=np.int64))

@@ -11,14 +11,13 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .. import atomic
-
-STS_B_RANGE = (0.0, 5.0)
+from .tasks import SCORE_RANGE
 
 
 def format_predictions(labels: Optional[List[str]], outputs: np.ndarray) -> List[str]:
     """``outputs`` are logits (n, classes) for classification or scores (n,) for regression."""
     if labels is None:
-        return [f"{s:.3f}" for s in np.clip(outputs, *STS_B_RANGE)]
+        return [f"{s:.3f}" for s in np.clip(outputs, *SCORE_RANGE)]
     return [labels[i] for i in np.asarray(outputs).argmax(axis=-1)]
 
 

@@ -113,8 +113,8 @@ TASKS: Dict[str, Task] = {t.name: t for t in [
          test={"WNLI.tsv": ("test.tsv", _test_pair())}),
 ]}
 
-# The diagnostic set: test-only, three NLI classes, predicted with the MNLI model.
 SCORE_RANGE = (0.0, 5.0)  # STS-B, GLUE's one regression task: similarity from 0 to 5
+# The diagnostic set: test-only, three NLI classes, predicted with the MNLI model.
 AX_FILES = ("diagnostic/diagnostic.tsv", "AX/AX.tsv", "AX/test.tsv")
 AX_COLUMNS = _test_pair()
 

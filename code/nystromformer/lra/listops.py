@@ -95,10 +95,6 @@ def tree_tokens(t: Tree) -> List[str]:
     return out
 
 
-def tree_depth(t: Tree) -> int:
-    return 0 if isinstance(t, int) else 1 + max(tree_depth(a) for a in t[1])
-
-
 def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 10, min_length: int = 501,
              max_length: int = 1999, max_tries: int = 10_000_000) -> List[Tuple[str, int]]:
     """``num_samples`` distinct (source, label) pairs with min_length ≤ tokens ≤ max_length."""
