@@ -684,3 +684,13 @@ def test_a_checkpoint_whose_recorded_settings_no_longer_validate_is_exported_wit
     export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
     assert any("records model settings this version does not accept" in line and "attn_type" in line
                for line in logs), logs
+
+
+def test_import_reads_an_existing_config_json_as_strictly_as_every_command(tmp_path, capsys):
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    target = tmp_path / "continued"
+    target.mkdir()
+    (target / "config.json").write_text('{"model": {"num_layers": 2, "num_layers": 3}}')
+    assert main(["import-hf", "--input", str(tmp_path / "hf"), "--model-dir", str(target)]) == 2
+    assert "model.num_layers: appears more than once" in capsys.readouterr().err

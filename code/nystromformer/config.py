@@ -18,14 +18,21 @@ from .errors import UserError, first_undecodable_line
 
 
 class ConfigError(UserError, ValueError):
-    """A config.json that cannot be used; the message names the key and the file."""
+    """A config.json that cannot be used; the message names the key and the file. ``key`` and ``reason``
+    (when the error is about one key) let a command name its own flag when the value came from one."""
+
+    def __init__(self, message: str, key: Optional[str] = None, reason: Optional[str] = None):
+        super().__init__(message)
+        self.key, self.reason = key, reason
+
+    @classmethod
+    def of_key(cls, key: str, reason: str) -> "ConfigError":
+        return cls(f"{key}: {reason}", key, reason)
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
-        error = ConfigError(f"{key}: {msg}")
-        error.key = key  # so that a command can name its own flag when the value came from one
-        raise error
+        raise ConfigError.of_key(key, msg)
 
 
 # A typo guard (one zero too many), not a limit of the model: the position table alone would be > 1M rows.
@@ -255,21 +262,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if ok is None:
         raise TypeError(f"unsupported schema type {tp} for {key}")
     if not ok:
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {json.dumps(value)}")
+        raise ConfigError.of_key(key, f"expected {_type_name(tp)}, got {json.dumps(value)}")
     if tp is float and not math.isfinite(value):  # Python's json reads Infinity and NaN
-        raise ConfigError(f"{key}: must be a finite number, got {json.dumps(value)}")
+        raise ConfigError.of_key(key, f"must be a finite number, got {json.dumps(value)}")
     return float(value) if tp is float else value
 
 
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected an object, got {json.dumps(data)[:60]}")
+        raise ConfigError.of_key(prefix or "config", f"expected an object, got {json.dumps(data)[:60]}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}." if prefix else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown key (known keys: {', '.join(sorted(fields))})")
+        raise ConfigError.of_key(f"{where}{unknown[0]}", f"unknown key (known keys: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -318,6 +325,20 @@ def config_from_dict(data: dict, model_dir: Union[str, Path] = ".") -> Config:
     return cfg
 
 
+def read_config_json(path: Path) -> Any:
+    """The parsed JSON of a config.json, refusing what json.loads would let through silently (a key given twice)
+    or report without its place (bytes that are not UTF-8)."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 (line {first_undecodable_line(path)}: {e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    if duplicate := _first_duplicate(data):
+        raise ConfigError(f"{path}: {duplicate}: appears more than once; keep one (JSON would silently use the last)")
+    return data
+
+
 def load_config(path: Union[str, Path]) -> Config:
     """Load ``config.json`` from a model folder (or the file itself) and validate it."""
     path = Path(path)
@@ -330,17 +351,10 @@ def load_config(path: Union[str, Path]) -> Config:
         raise ConfigError(f"{path.absolute()}: no such model folder")
     if not path.is_file():
         raise ConfigError(f"no config file at {path.absolute()}")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_object_with_duplicates)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 (line {first_undecodable_line(path)}: {e.reason})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
-    if duplicate := _first_duplicate(data):
-        raise ConfigError(f"{path}: {duplicate}: appears more than once; keep one (JSON would silently use the last)")
+    data = read_config_json(path)
     try:
         cfg = config_from_dict(data, path.parent)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(f"{path}: {e}", e.key, e.reason) from None
     cfg.config_path = path
     return cfg

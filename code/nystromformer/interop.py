@@ -25,7 +25,7 @@ import torch
 
 from . import atomic, checkpoint
 from .cli import add_subcommand
-from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config
+from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config, read_config_json
 from .errors import UserError
 from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
 from .shards import ShardError, read_meta
@@ -566,10 +566,7 @@ def _existing_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    data = read_config_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("model", {}), dict):
         raise ConfigError(f"{path}: expected a JSON object (with a \"model\" object)")
     return data
@@ -590,12 +587,11 @@ def _validated(build: Callable[[], Config], source: Path, overrides: Optional[di
     try:
         return build()
     except ConfigError as e:
-        key = (getattr(e, "key", "") or str(e).partition(":")[0]).removeprefix("model.")
+        key = (e.key or "").removeprefix("model.")
         if key in (overrides or {}):
-            raise InteropError(f"--{key.replace('_', '-')} {overrides[key]}: {str(e).split(': ', 1)[1]}") from None
+            raise InteropError(f"--{key.replace('_', '-')} {overrides[key]}: {e.reason}") from None
         if hf and key in HF_KEY_OF:
-            raise ConfigError(f"{source}: {HF_KEY_OF[key]} (read as model.{key}): {str(e).split(': ', 1)[1]}") \
-                from None
+            raise ConfigError(f"{source}: {HF_KEY_OF[key]} (read as model.{key}): {e.reason}") from None
         raise ConfigError(f"{source}: {e}") from None
 
 

@@ -161,11 +161,11 @@ def run_train(args) -> int:
         try:
             model_config(name, settings, overrides)
         except ConfigError as e:  # named by the flags the user typed, not the config keys they fill
-            key = str(e).partition(":")[0].removeprefix("model.")
+            key = (e.key or "").removeprefix("model.")
             flags = (f"--set {key}" if key in overrides else FLAGS_OF_KEY.get(key))
             if flags is None:
                 raise
-            raise UserError(f"{flags}: {str(e).partition(':')[2].strip()} (the {name} run's model)") from None
+            raise UserError(f"{flags}: {e.reason} (the {name} run's model)") from None
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
