@@ -362,24 +362,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     best: Optional[dict] = None
     start = time.time()
     for epoch in range(1, settings.epochs + 1):  # 1-based: "epoch 3" = after three passes
-        model.train()
-        loss_sum, batches = 0.0, 0
         bar = tqdm(train_loader, desc=f"{task.name} epoch {epoch}/{settings.epochs}", leave=False,
                    disable=not settings.progress)
-        for batch in bar:
-            logits = runner.forward(batch)
-            loss = model.loss(logits, batch["labels"].to(device))
-            optimizer.zero_grad(set_to_none=True)
-            runner.scaler.scale(loss).backward()
-            runner.scaler.step(optimizer)
-            runner.scaler.update()
-            scheduler.step()
-            loss_sum += loss.item()
-            batches += 1
-            bar.set_postfix(loss=f"{loss_sum / batches:.4f}")
-
+        train_loss = train_one_epoch(runner, bar, optimizer, scheduler)
         metrics, one_class = evaluate(runner, task, dev_loaders, dev_labels)
-        entry = {"epoch": epoch, "train_loss": loss_sum / max(batches, 1), "dev": metrics,
+        entry = {"epoch": epoch, "train_loss": train_loss, "dev": metrics,
                  "score": task_score(metrics), "lr": scheduler.get_last_lr()[0],
                  "elapsed_s": round(time.time() - start, 2)}
         if best is None or better_score(entry["score"], best["score"]):
@@ -412,6 +399,25 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
     return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
                    result, log)
+
+
+def train_one_epoch(runner: Runner, batches: tqdm, optimizer, scheduler) -> float:
+    """One pass over the training batches (a progress bar over the loader); returns the mean training loss."""
+    model = runner.model
+    model.train()
+    loss_sum, count = 0.0, 0
+    for batch in batches:
+        logits = runner.forward(batch)
+        loss = model.loss(logits, batch["labels"].to(runner.device))
+        optimizer.zero_grad(set_to_none=True)
+        runner.scaler.scale(loss).backward()
+        runner.scaler.step(optimizer)
+        runner.scaler.update()
+        scheduler.step()
+        loss_sum += loss.item()
+        count += 1
+        batches.set_postfix(loss=f"{loss_sum / count:.4f}")
+    return loss_sum / max(count, 1)
 
 
 def _count(n: int, noun: str) -> str:
