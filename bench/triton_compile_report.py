@@ -69,14 +69,15 @@ def configs(dt: str, prec: str, wide: bool):
                 PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
     yield ("pass 1 forward", nt._lq_fwd_kernel, dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", **dims),
-           dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, **f64), 8)
+           dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True, **f64), 8)
     yield ("pass 1 combine", nt._lq_combine_kernel,
            dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
            dict(NPROG=128, BLOCK_M=64, BLOCK_D=64), 4)                                 # n = 65,536 at bf16
     yield ("pass 1 backward", nt._lq_bwd_kernel,
            dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
                 **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", **dims),
-           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, **f64), 4 if wide else 8)
+           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True, **f64),
+           4 if wide else 8)
     core = dict(QL=p, KL=p)
     core_c = dict(BLOCK=64, BLOCK_D=64, OUTER="tf32x3", IS_F64=False)
     batch = dict(BLOCK_S=nt.CORE_BLOCK_S, CHUNKS=6)  # b·h = 1,536 (batch 128 × 12 heads)

@@ -603,7 +603,9 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
     for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee")),
-                     (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee"))):
+                     (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee")),
+                     (nt._lq_forward, (q_land, k, v, None)),                        # no padding: no key bias
+                     (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16)))):
         torch.library.opcheck(fn.op, args)
 
 
@@ -736,6 +738,10 @@ def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
     bias = (1 - keep) * keep.amax(-1, keepdim=True) * torch.finfo(dtype).min
     out = nystrom_triton.landmark_queries_attention(q_land, k, v, bias)   # several programs per row when n > 512
     ref = F.scaled_dot_product_attention(q_land, k, v, attn_mask=bias[:, None, None, :])
+    _same_function_and_gradients(out, ref, (q_land, k, v), dtype)
+    # no padding at all: no bias to read (None), the same function as an all-zero bias
+    out = nystrom_triton.landmark_queries_attention(q_land, k, v, None)
+    ref = F.scaled_dot_product_attention(q_land, k, v)
     _same_function_and_gradients(out, ref, (q_land, k, v), dtype)
 
 

@@ -150,10 +150,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     attention_kernels = all_kernels and num_landmarks <= MAX_LANDMARKS
     if fused_backward is None:
         fused_backward = all_kernels
-    # The attention-pass kernels, like the others, take (b, n) vectors whether or not there is padding.
-    pass_keep, pass_bias = keep, bias
-    if attention_kernels:
-        pass_keep, pass_bias = kernel_keep, (bias if bias is not None else q.new_zeros(b, n))
+    # Pass 2's kernel, like the others, takes the (b, n) keep vector whether or not there is padding; pass 1's
+    # adds the key bias only where there is one.
+    pass_keep, pass_bias = (kernel_keep if attention_kernels else keep), bias
     landmark_args = (pass_keep, pass_bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
 
     if num_landmarks >= n:

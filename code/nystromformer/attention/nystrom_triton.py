@@ -422,8 +422,9 @@ if triton is not None:
 
     @triton.jit
     def _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D, scale,
-                             BLOCK_D: tl.constexpr, PREC: tl.constexpr):
-        # One block of keys (and their values) for the landmark queries ql: ql·kᵀ·scale + key bias, −inf past N.
+                             BLOCK_D: tl.constexpr, PREC: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # One block of keys (and their values) for the landmark queries ql: ql·kᵀ·scale + key bias (HAS_BIAS: rows
+        # with padding), −inf past N.
         cols = tl.arange(0, BLOCK_D)
         kmask = keys < N
         k64 = keys[:, None].to(tl.int64)
@@ -431,13 +432,14 @@ if triton is not None:
         k = tl.load(K + b * skb + h * skh + k64 * skn + cols[None, :] * skd, mask=m2, other=0.0)
         v = tl.load(V + b * svb + h * svh + k64 * svn + cols[None, :] * svd, mask=m2, other=0.0)
         s = tl.dot(ql, tl.trans(k), input_precision=PREC) * scale  # fp32 (fp64 for fp64 inputs)
-        s = s + tl.load(BIAS + b * N + keys, mask=kmask, other=0.0).to(s.dtype)[None, :]
+        if HAS_BIAS:
+            s = s + tl.load(BIAS + b * N + keys, mask=kmask, other=0.0).to(s.dtype)[None, :]
         return k, v, tl.where(kmask[None, :], s, float("-inf"))
 
     @triton.jit
     def _lq_fwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, ACC, MAX, SUM, H, N, M, D, scale,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
-                       PREC: tl.constexpr, IS_F64: tl.constexpr):
+                       PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr):
         # Pass 1, split over keys: the m landmark queries against TILES blocks of keys with an online softmax;
         # this program's (running max, sum, weighted V) go to ACC/MAX/SUM and are combined in PyTorch. At long n
         # and small batch this puts n / (BLOCK_K·TILES) programs on each (batch, head) instead of one.
@@ -450,7 +452,7 @@ if triton is not None:
         for t in range(TILES):
             keys = (tl.program_id(1) * TILES + t) * BLOCK_K + tl.arange(0, BLOCK_K)
             k, v, s = _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D,
-                                           scale, BLOCK_D, PREC)
+                                           scale, BLOCK_D, PREC, HAS_BIAS)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -489,7 +491,7 @@ if triton is not None:
     def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, WF,
                        DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, H, N, M, D, scale,
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
-                       PREC: tl.constexpr, IS_F64: tl.constexpr):
+                       PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr):
         # For TILES blocks of keys: dK and dV (written), and this program's partial sum of dQ̃ (summed in PyTorch).
         bh, b, h = _batch_head(H)
         cols = tl.arange(0, BLOCK_D)
@@ -503,7 +505,7 @@ if triton is not None:
         for t in range(TILES):
             keys = (tl.program_id(1) * TILES + t) * BLOCK_K + tl.arange(0, BLOCK_K)
             k, v, s = _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D,
-                                           scale, BLOCK_D, PREC)
+                                           scale, BLOCK_D, PREC, HAS_BIAS)
             k64 = keys[:, None].to(tl.int64)
             m2 = (keys < N)[:, None] & (cols[None, :] < D)
             p = tl.exp(s - lse[:, None])                                   # (BLOCK_M, BLOCK_K)
@@ -1003,6 +1005,11 @@ def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
                 num_warps=8 if small or not backward else 4)
 
 
+def _bias_or(key_bias: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
+    """The bias for the kernel, or (HAS_BIAS false: never read) any tensor as a stand-in pointer."""
+    return key_bias.contiguous() if key_bias is not None else stand_in
+
+
 def _lq_forward_fake(q_land, k, v, key_bias):
     acc = _acc_dtype(q_land.dtype)
     out = q_land.new_empty(q_land.shape, dtype=acc)
@@ -1011,7 +1018,7 @@ def _lq_forward_fake(q_land, k, v, key_bias):
 
 @_opaque(_lq_forward_fake)
 def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                key_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W (in the accumulation dtype), its log-sum-exp, and W in the inputs' dtype (all three from one combine
     launch after the key-block programs)."""
     b, h, m, d = q_land.shape
@@ -1024,8 +1031,8 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     acc = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
     mx = torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
     sm = torch.empty_like(mx)
-    _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), acc, mx, sm,
-                                   h, n, m, d, d ** -0.5, TILES=tiles, **c)
+    _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), acc, mx, sm,
+                                   h, n, m, d, d ** -0.5, TILES=tiles, HAS_BIAS=key_bias is not None, **c)
     out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
     out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype)  # a copy even if the same dtype
     lse = torch.empty(b, h, m, device=k.device, dtype=acc_t)
@@ -1039,8 +1046,8 @@ def _lq_backward_fake(q_land, k, v, key_bias, out, lse, g):
 
 
 @_opaque(_lq_backward_fake)
-def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor],
+                 out: torch.Tensor, lse: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -1051,9 +1058,9 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
-    _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), key_bias.contiguous(), g,
+    _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), g,
                                    lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n,
-                                   m, d, d ** -0.5, TILES=tiles, **c)
+                                   m, d, d ** -0.5, TILES=tiles, HAS_BIAS=key_bias is not None, **c)
     return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
 
 
@@ -1074,9 +1081,10 @@ class _LandmarkQueriesAttention(torch.autograd.Function):
 
 
 def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               key_bias: torch.Tensor) -> torch.Tensor:
+                               key_bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``SDPA(q_land, k, v, attn_mask=key_bias[:, None, None, :])``: the m ≤ 64 landmark queries (b, h, m, d) over
-    all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n). A row whose every key carries the
+    all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n), or None (no padding: nothing to
+    read or add). A row whose every key carries the
     bias gives NaN here (SDPA: uniform weights); ``nystrom_fast`` never passes one — it drops the bias for rows
     without any token."""
     _check()
