@@ -1084,9 +1084,8 @@ def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.T
                                key_bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``SDPA(q_land, k, v, attn_mask=key_bias[:, None, None, :])``: the m ≤ 64 landmark queries (b, h, m, d) over
     all keys k, v (b, h, n, d, any strides), with an additive key bias (b, n), or None (no padding: nothing to
-    read or add). A row whose every key carries the
-    bias gives NaN here (SDPA: uniform weights); ``nystrom_fast`` never passes one — it drops the bias for rows
-    without any token."""
+    read or add). A row whose every key carries the bias gives NaN here (SDPA: uniform weights); ``nystrom_fast``
+    never passes one — it drops the bias for rows without any token."""
     _check()
     if q_land.shape[-2] > MAX_LANDMARKS:
         raise ValueError(f"landmark_queries_attention: at most {MAX_LANDMARKS} landmarks, got {q_land.shape[-2]}")
@@ -1228,9 +1227,9 @@ def segment_means_masked(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.T
 # ----------------------------------------------------------------------------------------------- depthwise conv
 def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=None, flip=False):
     """No autograd: ``res + out_keep·conv(in_keep·x)`` with taps w (h, k) (reversed if ``flip``: the input
-    gradient's conv), written with ``like``'s strides
-    (default: contiguous), or into ``out`` (which may be ``res``, not x: each element of res is read and then
-    written by the same program, while x is read across rows)."""
+    gradient's conv), written with ``like``'s strides (default: contiguous), or into ``out`` (which may be
+    ``res``, not x: each element of res is read and then written by the same program, while x is read across
+    rows)."""
     b, h, n, d = x.shape
     ks = w.shape[-1]
     dtype = x.dtype if res is None else res.dtype
