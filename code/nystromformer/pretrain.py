@@ -118,7 +118,8 @@ NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 @contextlib.contextmanager
 def folder_lock(ckpt_dir, rt: Runtime, config_file="config.json"):
     """Create the checkpoint folder (``model_checkpoints``) and hold an exclusive flock on its lock file (rank 0
-    only) while the run lasts; refuse at once if another run holds it. The lock goes with the process, so a killed run leaves none behind.
+    only) while the run lasts; refuse at once if another run holds it. The lock goes with the process, so a killed
+    run leaves none behind.
     Under DDP rank 0 broadcasts the outcome, so that a failure there (a read-only folder...) stops every rank
     rather than leaving the others in the next collective until the process group's timeout."""
     path = ckpt_dir / LOCK_NAME
@@ -199,140 +200,161 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
         raise ConfigError(f"{cfg.config_file}: pretraining_setting.batch_size: {ps.batch_size} is not divisible by "
                           f"the {rt.world_size} processes")
     with folder_lock(cfg.checkpoint_dir, rt, cfg.config_file), PreemptionFlag() as preemption:
-        return _pretrain(cfg, rt, preemption, stop_at_step, show_progress)
+        run = PretrainRun(cfg, rt, preemption, show_progress)
+        stopped = run.restore(stop_at_step)
+        return stopped if stopped is not None else run.train(stop_at_step)
 
 
-def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step: Optional[int],
-              show_progress: bool) -> int:
+def _load_data(cfg: Config) -> tuple[ShardedSequences, Optional[ShardedSequences]]:
+    """The training split and, when the config evaluates on it, the dev split, both checked against the config."""
     ps = cfg.pretraining_setting
-    say = print if rt.is_main else (lambda *a, **k: None)
     train = ShardedSequences(cfg.data_dir, "train")
     check_data(cfg, train)
-    dev = None
-    if ps.validate_batches_per_epoch:
-        dev_path = cfg.data_dir / "dev.json"
-        if not dev_path.is_file():  # `validate` needs it too: say so now, not after the first epoch
-            raise ConfigError(f"{cfg.config_file}: pretraining_setting.validate_batches_per_epoch: is "
-                              f"{ps.validate_batches_per_epoch} but {dev_path} does not exist; add a dev split to "
-                              f"the data folder, or set it to 0 to pretrain without dev evaluation")
-        dev = ShardedSequences(cfg.data_dir, "dev")
-        check_data(cfg, dev, pretraining=True)
-    special, vocab_size = train.meta["special_tokens"], train.meta["vocab_size"]
-    data_id = data_fingerprint(cfg.data_dir, train)
+    if not ps.validate_batches_per_epoch:
+        return train, None
+    dev_path = cfg.data_dir / "dev.json"
+    if not dev_path.is_file():  # `validate` needs it too: say so now, not after the first epoch
+        raise ConfigError(f"{cfg.config_file}: pretraining_setting.validate_batches_per_epoch: is "
+                          f"{ps.validate_batches_per_epoch} but {dev_path} does not exist; add a dev split to "
+                          f"the data folder, or set it to 0 to pretrain without dev evaluation")
+    dev = ShardedSequences(cfg.data_dir, "dev")
+    check_data(cfg, dev, pretraining=True)
+    return train, dev
 
-    ckpt_dir = cfg.checkpoint_dir
-    log = JsonLog(ckpt_dir / LOG_NAME, rt.is_main)
 
-    torch.manual_seed(ps.seed)  # the same initial weights on every rank
-    model = NystromformerForMaskedLM(cfg.model).to(rt.device)
-    optimizer = build_optimizer(model, cfg, rt.device)
-    scheduler = build_scheduler(optimizer, cfg)
-    scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.autocast_dtype == torch.float16)
-    total_steps = ps.epoch * ps.batches_per_epoch
-    per_rank = ps.batch_size // rt.world_size
-    micro = min(cfg.gpu_setting.inst_per_gpu, per_rank)
+class PretrainRun:
+    """One pretraining run of a model folder: its data, model, optimizer and log. ``restore`` resumes from the
+    newest checkpoint or warm-starts from ``from_cp``; ``train`` runs the remaining epochs, checkpointing after
+    each and on preemption. ``self.step`` counts the optimizer steps done (global steps, from 0)."""
 
-    def evaluate_dev(epoch: int, step: int, note: str = "") -> None:
-        # (Measured again in fp32 if fp16 overflowed: else the same overflow would stop every rerun here.)
-        metrics, redone = evaluate_fp16_safe(model, dev, ps.validate_batches_per_epoch * ps.batch_size, micro,
-                                             ps.seed, ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank,
-                                             rt.world_size)
-        note += " (in fp32: fp16 overflowed)" if redone else ""
-        if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
-            raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
-                                                     ckpt_dir, ps.batches_per_epoch))
-        log.write(type="dev", epoch=epoch, step=step, **metrics)
-        say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}"
-            f"{accuracy_note(metrics)}{note}")
+    def __init__(self, cfg: Config, rt: Runtime, preemption: PreemptionFlag, show_progress: bool):
+        self.cfg, self.rt, self.preemption, self.show_progress = cfg, rt, preemption, show_progress
+        self.ps = ps = cfg.pretraining_setting
+        self.say = print if rt.is_main else (lambda *a, **k: None)
+        self.train_data, self.dev_data = _load_data(cfg)
+        self.special, self.vocab_size = self.train_data.meta["special_tokens"], self.train_data.meta["vocab_size"]
+        self.data_id = data_fingerprint(cfg.data_dir, self.train_data)
+        self.ckpt_dir = cfg.checkpoint_dir
+        self.log = JsonLog(self.ckpt_dir / LOG_NAME, rt.is_main)
 
-    step = 0
-    nonfinite = NonFiniteLosses(scaler.is_enabled(), ckpt_dir, ps.batches_per_epoch)
-    if rt.is_main:
-        checkpoint.remove_stale_temp_files(ckpt_dir)
-    if cfg.from_cp:
-        check_from_cp_location(ckpt_dir, cfg.path(cfg.from_cp), ps.epoch, cfg.config_file)
-    state = checkpoint.load_newest_resumable(ckpt_dir, ps.batches_per_epoch, log=say)
-    if rt.world_size > 1:
-        check_same_step_on_every_rank(state["step"] if state else 0, rt)
-    if state is not None:
-        check_resumable_config(state.get("config"), cfg, state["path"])
-        check_resumable_data(state.get("data"), cfg, data_id, state["path"], log=say)
-        model.load_state_dict(state["model_state_dict"])
-        optimizer.load_state_dict(state["optimizer_state_dict"])
-        scheduler.load_state_dict(state["scheduler_state_dict"])
-        if state["scaler_state_dict"] and scaler.is_enabled():  # empty when saved by a bf16 or CPU run
-            scaler.load_state_dict(state["scaler_state_dict"])
-        set_rng_state(state["rng_state"])
-        step = state["step"]
-        finished = step >= total_steps
-        if not finished:
-            log.truncate_after(step)
-            if stop_at_step is None or step < stop_at_step:  # a rerun of the same stop trains and logs nothing
-                say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
-                log.write(type="resume", step=step, checkpoint=state["path"])
-        # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
-        if dev is not None and step % ps.batches_per_epoch == 0 and dev_point_missing(log.path, step, rt):
-            evaluate_dev(step // ps.batches_per_epoch - 1, step, " (the evaluation the stopped run did not do)")
-        if finished:
-            say(f"pretraining already finished: {step} steps in {state['path']}; nothing to do")
-            return 0
-    else:
-        refuse_to_overwrite_history(ckpt_dir, log.path, ps.batches_per_epoch,
-                                    cfg.path(cfg.from_cp) if cfg.from_cp else None)
+        torch.manual_seed(ps.seed)  # the same initial weights on every rank
+        self.model = NystromformerForMaskedLM(cfg.model).to(rt.device)
+        self.ddp_model = self.model  # wrapped by train() under DDP
+        self.optimizer = build_optimizer(self.model, cfg, rt.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.autocast_dtype == torch.float16)
+        self.total_steps = ps.epoch * ps.batches_per_epoch
+        self.per_rank = ps.batch_size // rt.world_size
+        self.micro = min(cfg.gpu_setting.inst_per_gpu, self.per_rank)
+        self.nonfinite = NonFiniteLosses(self.scaler.is_enabled(), self.ckpt_dir, ps.batches_per_epoch)
+        self.order = SampleOrder(len(self.train_data), ps.seed)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------- start
+    def restore(self, stop_at_step: Optional[int]) -> Optional[int]:
+        """Resume from the newest resumable checkpoint, or start afresh (warm from ``from_cp`` if set). Returns
+        the exit status when there is nothing to train, else None."""
+        cfg, rt = self.cfg, self.rt
+        if rt.is_main:
+            checkpoint.remove_stale_temp_files(self.ckpt_dir)
         if cfg.from_cp:
-            source = cfg.path(cfg.from_cp)
+            check_from_cp_location(self.ckpt_dir, cfg.path(cfg.from_cp), self.ps.epoch, cfg.config_file)
+        state = checkpoint.load_newest_resumable(self.ckpt_dir, self.ps.batches_per_epoch, log=self.say)
+        if rt.world_size > 1:
+            check_same_step_on_every_rank(state["step"] if state else 0, rt)
+        if state is not None:
+            if self._resume(state, stop_at_step):
+                return 0
+        else:
+            self._start_fresh()
+        if stop_at_step is not None and stop_at_step <= self.step < self.total_steps:
+            self.say(f"already at step {self.step} >= --stop-at-step {stop_at_step}; nothing to do")
+            return PREEMPTED_EXIT_CODE
+        return None
+
+    def _resume(self, state: dict, stop_at_step: Optional[int]) -> bool:
+        """Load a checkpoint's state; returns whether the run had already finished."""
+        ps, cfg = self.ps, self.cfg
+        check_resumable_config(state.get("config"), cfg, state["path"])
+        check_resumable_data(state.get("data"), cfg, self.data_id, state["path"], log=self.say)
+        self.model.load_state_dict(state["model_state_dict"])
+        self.optimizer.load_state_dict(state["optimizer_state_dict"])
+        self.scheduler.load_state_dict(state["scheduler_state_dict"])
+        if state["scaler_state_dict"] and self.scaler.is_enabled():  # empty when saved by a bf16 or CPU run
+            self.scaler.load_state_dict(state["scaler_state_dict"])
+        set_rng_state(state["rng_state"])
+        self.step = step = state["step"]
+        finished = step >= self.total_steps
+        if not finished:
+            self.log.truncate_after(step)
+            if stop_at_step is None or step < stop_at_step:  # a rerun of the same stop trains and logs nothing
+                self.say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
+                self.log.write(type="resume", step=step, checkpoint=state["path"])
+        # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
+        if (self.dev_data is not None and step % ps.batches_per_epoch == 0
+                and dev_point_missing(self.log.path, step, self.rt)):
+            self.evaluate_dev(step // ps.batches_per_epoch - 1, " (the evaluation the stopped run did not do)")
+        if finished:
+            self.say(f"pretraining already finished: {step} steps in {state['path']}; nothing to do")
+        return finished
+
+    def _start_fresh(self) -> None:
+        """Step 0: the initial weights, or from_cp's (a warm start); a log of an earlier run is refused."""
+        cfg = self.cfg
+        source = cfg.path(cfg.from_cp) if cfg.from_cp else None
+        refuse_to_overwrite_history(self.ckpt_dir, self.log.path, self.ps.batches_per_epoch, source)
+        if source is not None:
             if source.is_dir():
-                raise ConfigError(f"{cfg.config_file}: from_cp: {source} is a folder; name a cp-NNNN.model or "
-                                  f".cp file in it")
+                raise ConfigError(f"{cfg.config_file}: from_cp: {source} is a folder; name a cp-NNNN.model or .cp "
+                                  f"file in it")
             if not source.is_file():
                 raise ConfigError(f"{cfg.config_file}: from_cp: {source} does not exist (has the run it comes "
                                   f"from written it?)")
-            say(f"warm start from {source}")
+            self.say(f"warm start from {source}")
             try:
-                checkpoint.load_pretrained_weights(model, source, cfg.model.max_seq_len, log=say)
+                checkpoint.load_pretrained_weights(self.model, source, cfg.model.max_seq_len, log=self.say)
             except checkpoint.CheckpointError as e:
                 raise checkpoint.CheckpointError(f"{cfg.config_file}: {e} (from_cp: {source})") from None
-            log.truncate_after(0)
-            log.write(type="warm_start", step=0, checkpoint=str(source))
-        else:
-            log.truncate_after(0)
+        self.log.truncate_after(0)
+        if source is not None:
+            self.log.write(type="warm_start", step=0, checkpoint=str(source))
 
-    if cfg.gpu_setting.compile != "none":
-        # In place (state_dict keys unchanged). Only the encoder: the MLM head's masked-position gather has a
-        # data-dependent shape, which would make CUDA graphs re-record every step.
-        model.encoder.compile(mode=cfg.gpu_setting.compile)
-        say(f"encoder compiled with torch.compile(mode={cfg.gpu_setting.compile!r}); the first steps include "
-            f"compilation")
-    ddp_model = model
-    if rt.world_size > 1:
-        # Reformer's shared-QK attention leaves the key projection without a gradient.
-        ddp_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-            find_unused_parameters=cfg.model.attn_type == "reformer")
+    def _prepare_model(self) -> None:
+        """torch.compile and the DDP wrapper, after any checkpoint is loaded into the plain model."""
+        cfg, rt = self.cfg, self.rt
+        if cfg.gpu_setting.compile != "none":
+            # In place (state_dict keys unchanged). Only the encoder: the MLM head's masked-position gather has a
+            # data-dependent shape, which would make CUDA graphs re-record every step.
+            self.model.encoder.compile(mode=cfg.gpu_setting.compile)
+            self.say(f"encoder compiled with torch.compile(mode={cfg.gpu_setting.compile!r}); the first steps "
+                     f"include compilation")
+        if rt.world_size > 1:
+            # Reformer's shared-QK attention leaves the key projection without a gradient.
+            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+                find_unused_parameters=cfg.model.attn_type == "reformer")
 
-    order = SampleOrder(len(train), ps.seed)
-    say(f"pretraining {cfg.model.attn_type} model: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{len(train):,} training sequences of {train.seq_len} tokens, {rt.world_size} process(es) on "
-        f"{rt.device.type}, micro-batch {micro} x {-(-per_rank // micro)} accumulation step(s), "
-        f"precision {rt.autocast_dtype or torch.float32}")
-
-    def state_dict() -> dict:
-        return {"model_state_dict": model.state_dict(), "optimizer_state_dict": optimizer.state_dict(),
-                "scheduler_state_dict": scheduler.state_dict(), "scaler_state_dict": scaler.state_dict(),
+    # ------------------------------------------------------------------------------------------- one step
+    def state_dict(self) -> dict:
+        ps, step = self.ps, self.step
+        return {"model_state_dict": self.model.state_dict(), "optimizer_state_dict": self.optimizer.state_dict(),
+                "scheduler_state_dict": self.scheduler.state_dict(), "scaler_state_dict": self.scaler.state_dict(),
                 "rng_state": rng_state(), "epoch": max(step - 1, 0) // ps.batches_per_epoch, "step": step,
-                "inst_pass": step * ps.batch_size, "config": cfg.to_dict(), "data": data_id}
+                "inst_pass": step * ps.batch_size, "config": self.cfg.to_dict(), "data": self.data_id}
 
-    def queue_step(done: int) -> QueuedStep:
-        """Prepare batch ``done`` + 1 and queue its forward, backward and optimizer step; nothing waits for the
+    def queue_step(self) -> QueuedStep:
+        """Prepare batch ``self.step`` + 1 and queue its forward, backward and optimizer step; nothing waits for the
         device here (with fp16, GradScaler.step does: it reads whether the gradients overflowed)."""
+        ps, rt, done = self.ps, self.rt, self.step
         started = time.perf_counter()
-        ids = torch.from_numpy(train.rows(order.indices(done * ps.batch_size, ps.batch_size)))
-        inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, done), ps.mask_prob, special, vocab_size)
+        ids = torch.from_numpy(self.train_data.rows(self.order.indices(done * ps.batch_size, ps.batch_size)))
+        inputs, labels = mask_tokens(ids, generator(ps.seed, STREAM_MASK, done), ps.mask_prob, self.special,
+                                     self.vocab_size)
         total_masked = max(int((labels != IGNORE_INDEX).sum()), 1)
-        mine = slice(rt.rank * per_rank, (rt.rank + 1) * per_rank)
+        mine = slice(rt.rank * self.per_rank, (rt.rank + 1) * self.per_rank)
         inputs, labels = inputs[mine], labels[mine]
-        attention_mask = padding_mask(inputs, special["pad"])  # None for full-length rows (no padding)
-        chunks = list(micro_batches(per_rank, micro))
+        attention_mask = padding_mask(inputs, self.special["pad"])  # None for full-length rows (no padding)
+        chunks = list(micro_batches(self.per_rank, self.micro))
         positions = to_device([masked_positions_of(labels[chunk]) for chunk in chunks], rt.device)
         inputs, labels, attention_mask = to_device((inputs, labels, attention_mask), rt.device)
         torch.manual_seed(derived_seed(ps.seed, STREAM_DROPOUT, done, rt.rank))
@@ -340,112 +362,150 @@ def _pretrain(cfg: Config, rt: Runtime, preemption: PreemptionFlag, stop_at_step
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, correct
         for i, chunk in enumerate(chunks):
             sync = i == len(chunks) - 1 or rt.world_size == 1
-            ctx = ddp_model.no_sync() if not sync else contextlib.nullcontext()
+            ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
             with ctx, torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
                                      enabled=rt.autocast_dtype is not None):
-                out = ddp_model(inputs[chunk], labels[chunk],
-                                attention_mask=None if attention_mask is None else attention_mask[chunk],
-                                masked_positions=positions[i])
+                out = self.ddp_model(inputs[chunk], labels[chunk],
+                                     attention_mask=None if attention_mask is None else attention_mask[chunk],
+                                     masked_positions=positions[i])
                 # Normalise by the global masked count: the gradient is that of the mean over the whole
                 # batch however it is split (DDP averages over ranks, hence the world_size factor).
                 loss = out.loss_sum * (rt.world_size / total_masked)
-                scaler.scale(loss).backward()
+                self.scaler.scale(loss).backward()
             totals += torch.stack([out.loss_sum.detach().double(), out.num_correct.double()])
         if ps.max_grad_norm is not None:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), ps.max_grad_norm)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), ps.max_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
         if rt.world_size > 1:
             dist.all_reduce(totals)
-        return QueuedStep(done + 1, started, lr, total_masked, totals, preemption.queue_agreement(rt))
+        self.step += 1
+        return QueuedStep(done + 1, started, lr, total_masked, totals, self.preemption.queue_agreement(rt))
 
-    def report(queued: QueuedStep, bar: tqdm, next_started: Optional[float] = None) -> int:
+    def report(self, queued: QueuedStep, bar: tqdm, next_started: Optional[float] = None) -> int:
         """Read back a queued step's loss (waiting for that step's work only), check it is finite, log it and
-        advance the epoch's progress bar; returns the signal every rank stops for (0: none). ``next_started``: when the
-        next step began to be queued, if it has been."""
+        advance the epoch's progress bar; returns the signal every rank stops for (0: none). ``next_started``: when
+        the next step began to be queued, if it has been."""
+        ps = self.ps
         loss_sum, correct = queued.totals.tolist()
-        signum = preemption.agreement(queued.stop_flag)
+        signum = self.preemption.agreement(queued.stop_flag)
         # A step's time runs from its start to the next one's (the loop's period: steps overlap on the device), or
         # to this read for the last step queued before a checkpoint.
         seconds = (next_started or time.perf_counter()) - queued.started
         done, epoch = queued.step, (queued.step - 1) // ps.batches_per_epoch
         loss_value, accu = loss_sum / queued.total_masked, correct / queued.total_masked
-        if nonfinite.check(loss_value, done):  # the same on every rank (all-reduced)
-            if rt.is_main:
+        if self.nonfinite.check(loss_value, done):  # the same on every rank (all-reduced)
+            if self.rt.is_main:
                 tqdm.write(f"warning: the training loss is {loss_value} at step {done}; the GradScaler skipped the "
-                           f"step ({nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop the run)")
-            log.write(type="skipped", epoch=epoch, step=done, loss=str(loss_value), lr=queued.lr)
+                           f"step ({self.nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop the "
+                           f"run)")
+            self.log.write(type="skipped", epoch=epoch, step=done, loss=str(loss_value), lr=queued.lr)
         else:
-            log.write(type="train", epoch=epoch, step=done, loss=loss_value, mlm_accu=accu, lr=queued.lr,
-                      time=seconds, inst_pass=done * ps.batch_size,
-                      tokens_per_s=ps.batch_size * train.seq_len / seconds)
+            self.log.write(type="train", epoch=epoch, step=done, loss=loss_value, mlm_accu=accu, lr=queued.lr,
+                           time=seconds, inst_pass=done * ps.batch_size,
+                           tokens_per_s=ps.batch_size * self.train_data.seq_len / seconds)
             if done % ps.batches_per_report == 0:
                 bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{queued.lr:.2e}")
         bar.update(1)
         return signum
 
-    model.train()
-    if stop_at_step is not None and step >= stop_at_step and step < total_steps:
-        say(f"already at step {step} >= --stop-at-step {stop_at_step}; nothing to do")
-        return PREEMPTED_EXIT_CODE
-    while step < total_steps:
-        epoch = step // ps.batches_per_epoch
-        bar = tqdm(total=ps.batches_per_epoch, initial=step % ps.batches_per_epoch, desc=f"epoch {epoch}",
-                   disable=not (rt.is_main and show_progress), mininterval=1.0, dynamic_ncols=True)
-        queued: Optional[QueuedStep] = None
-        while True:
-            # The device runs one step ahead of the host: step s + 1 is queued before step s's loss is read back,
-            # so the host prepares and launches the next batch while the device is still busy, instead of idling
-            # it at a sync every step.
-            current = queue_step(step)
-            step += 1
-            try:
-                signum = report(queued, bar, current.started) if queued is not None else 0
-                queued = current
-                stopping = signum or (stop_at_step is not None and step >= stop_at_step)
-                if stopping or step % ps.batches_per_epoch == 0:
-                    signum = max(signum, report(queued, bar))  # every step's loss is checked before a checkpoint
-                    queued = None
-            except TrainingDiverged:
-                bar.close()
-                raise
-            if step % ps.batches_per_epoch == 0:
-                break
-            if stopping:
-                bar.close()
-                if rt.is_main:
-                    path = checkpoint.save_preempted(ckpt_dir, state_dict())
-                    log.write(type="preempted", step=step, checkpoint=str(path))
-                    say(f"stopped at step {step}; wrote {path}. Run the same command again to resume.")
-                barrier(rt)
-                return _stopped_exit_code(signum)
-        bar.close()
+    def evaluate_dev(self, epoch: int, note: str = "") -> None:
+        """Evaluate the weights of ``self.step`` on the dev split and log it as epoch ``epoch``'s."""
+        ps, rt, step = self.ps, self.rt, self.step
+        # (Measured again in fp32 if fp16 overflowed: else the same overflow would stop every rerun here.)
+        metrics, redone = evaluate_fp16_safe(self.model, self.dev_data,
+                                             ps.validate_batches_per_epoch * ps.batch_size, self.micro, ps.seed,
+                                             ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
+        note += " (in fp32: fp16 overflowed)" if redone else ""
+        if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
+            raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
+                                                     self.ckpt_dir, ps.batches_per_epoch))
+        self.log.write(type="dev", epoch=epoch, step=step, **metrics)
+        self.say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}"
+                 f"{accuracy_note(metrics)}{note}")
 
+    # ------------------------------------------------------------------------------------------- the epochs
+    def train(self, stop_at_step: Optional[int]) -> int:
+        """Train to the end (exit status 0), or until a signal or ``stop_at_step`` stops the run after writing a
+        checkpoint (130 or 143)."""
+        rt = self.rt
+        self._prepare_model()
+        parameters = sum(p.numel() for p in self.model.parameters())
+        self.say(f"pretraining {self.cfg.model.attn_type} model: {parameters:,} parameters, "
+                 f"{len(self.train_data):,} training sequences of {self.train_data.seq_len} tokens, "
+                 f"{rt.world_size} process(es) on {rt.device.type}, micro-batch {self.micro} x "
+                 f"{-(-self.per_rank // self.micro)} accumulation step(s), precision "
+                 f"{rt.autocast_dtype or torch.float32}")
+        self.model.train()
+        while self.step < self.total_steps:
+            epoch = self.step // self.ps.batches_per_epoch
+            stopped = self._train_epoch(epoch, stop_at_step)
+            if stopped is None:
+                stopped = self._end_epoch(epoch, stop_at_step)
+            if stopped is not None:
+                return stopped
+        self.say(f"pretraining finished: {self.step} steps; checkpoints in {self.ckpt_dir}")
+        barrier(rt)  # every rank past its last collective before any of them tears the process group down
+        return 0
+
+    def _train_epoch(self, epoch: int, stop_at_step: Optional[int]) -> Optional[int]:
+        """The rest of epoch ``epoch``'s steps. Returns None at the epoch's end, or the exit status after a stop
+        within the epoch (a preemption checkpoint written)."""
+        ps, rt = self.ps, self.rt
+        bar = tqdm(total=ps.batches_per_epoch, initial=self.step % ps.batches_per_epoch, desc=f"epoch {epoch}",
+                   disable=not (rt.is_main and self.show_progress), mininterval=1.0, dynamic_ncols=True)
+        queued: Optional[QueuedStep] = None
+        with contextlib.closing(bar):
+            while True:
+                # The device runs one step ahead of the host: step s + 1 is queued before step s's loss is read
+                # back, so the host prepares and launches the next batch while the device is still busy, instead
+                # of idling it at a sync every step.
+                current = self.queue_step()
+                signum = self.report(queued, bar, current.started) if queued is not None else 0
+                queued = current
+                stopping = signum or (stop_at_step is not None and self.step >= stop_at_step)
+                if stopping or self.step % ps.batches_per_epoch == 0:
+                    # every step's loss is checked before a checkpoint
+                    signum = max(signum, self.report(queued, bar))
+                    queued = None
+                if self.step % ps.batches_per_epoch == 0:
+                    return None  # the epoch's end decides on stopping, with its checkpoint
+                if stopping:
+                    break
+        if rt.is_main:
+            path = checkpoint.save_preempted(self.ckpt_dir, self.state_dict())
+            self.log.write(type="preempted", step=self.step, checkpoint=str(path))
+            self.say(f"stopped at step {self.step}; wrote {path}. Run the same command again to resume.")
+        barrier(rt)
+        return _stopped_exit_code(signum)
+
+    def _end_epoch(self, epoch: int, stop_at_step: Optional[int]) -> Optional[int]:
+        """Checkpoint the finished epoch, evaluate it on the dev split, and decide whether to stop: returns the
+        exit status if so, else None."""
+        rt, step = self.rt, self.step
         # Checkpoint first: a preemption's grace period (10 s for `docker stop`) may not cover the dev pass.
         if rt.is_main:
-            checkpoint.save_epoch(ckpt_dir, epoch, state_dict(), keep=ps.keep_resume_checkpoints)
+            checkpoint.save_epoch(self.ckpt_dir, epoch, self.state_dict(), keep=self.ps.keep_resume_checkpoints)
         barrier(rt)
-        signum = preemption.agreed(rt)
+        signum = self.preemption.agreed(rt)
         stopping = signum or (stop_at_step is not None and step >= stop_at_step)
-        if dev is not None and not signum:
-            evaluate_dev(epoch, step)
-        if stopping and step < total_steps:
-            skipped = " (dev evaluation skipped: the rerun does it first)" if signum and dev is not None else ""
-            say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
-            barrier(rt)
-            return _stopped_exit_code(signum)
-        if signum:  # stopped by a signal at the very end: the rerun only does the dev evaluation
-            say(f"stopped after the last epoch{' before its dev evaluation' if dev is not None else ''}; run the "
-                f"same command again to finish.")
-            barrier(rt)
-            return _stopped_exit_code(signum)
-    say(f"pretraining finished: {step} steps; checkpoints in {ckpt_dir}")
-    barrier(rt)  # every rank past its last collective before any of them tears the process group down
-    return 0
+        if self.dev_data is not None and not signum:
+            self.evaluate_dev(epoch)
+        has_dev = self.dev_data is not None
+        if stopping and step < self.total_steps:
+            skipped = " (dev evaluation skipped: the rerun does it first)" if signum and has_dev else ""
+            self.say(f"stopped after epoch {epoch}{skipped}; run the same command again to resume.")
+        elif signum:  # stopped by a signal at the very end: the rerun only does the dev evaluation
+            self.say(f"stopped after the last epoch{' before its dev evaluation' if has_dev else ''}; run the same "
+                     f"command again to finish.")
+        else:
+            return None
+        barrier(rt)
+        return _stopped_exit_code(signum)
 
 
 class NonFiniteLosses:
@@ -495,8 +555,10 @@ def _diverged_message(what: str, bad_step: int, ckpt_dir, batches_per_epoch: int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dir", default=".", help="model folder holding config.json (default: current directory)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK when available, else cpu)")
+    parser.add_argument("--model-dir", default=".",
+                        help="model folder holding config.json (default: current directory)")
+    parser.add_argument("--device", default=None,
+                        help="torch device (default: cuda:LOCAL_RANK when available, else cpu)")
     parser.add_argument("--stop-at-step", type=int, default=None,
                         help="stop after this global step as if preempted: writes a resumable checkpoint and exits "
                              "with status 143, as after SIGTERM (0 if the run ends first)")
@@ -517,7 +579,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_commands(subparsers) -> None:
-    add_subcommand(subparsers, "pretrain", "MLM pretraining of a model folder (resumes automatically)", __doc__, add_arguments, run)
+    add_subcommand(subparsers, "pretrain", "MLM pretraining of a model folder (resumes automatically)", __doc__,
+                   add_arguments, run)
 
 
 def main(argv=None) -> int:
