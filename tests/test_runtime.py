@@ -149,3 +149,13 @@ def test_other_os_errors_stay_tracebacks_and_ctrl_c_ends_with_status_130_and_one
     assert run_command(interrupted, None) == 130
     assert capsys.readouterr().err == ("interrupted (Ctrl-C); rerun the same command to resume where it can, or to "
                                        "start again\n")
+
+
+def test_console_warnings_go_to_stderr_and_other_lines_to_stdout(capsys):
+    from nystromformer.cli import say
+    say("resuming from cp-0000.cp")
+    say("warning: skipping cp-0001.cp")
+    say("a line that mentions a warning: later on")
+    console = capsys.readouterr()
+    assert console.out == "resuming from cp-0000.cp\na line that mentions a warning: later on\n"
+    assert console.err == "warning: skipping cp-0001.cp\n"

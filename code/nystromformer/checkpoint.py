@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from . import atomic
+from .cli import say
 from .errors import UserError
 from .model import POSITION_OFFSET
 
@@ -109,7 +110,7 @@ def load(path: Union[str, Path], map_location="cpu") -> dict:
 RESUME_KEYS = ("optimizer_state_dict", "scheduler_state_dict", "scaler_state_dict", "rng_state", "step")
 
 
-def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=print) -> Optional[dict]:
+def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=say) -> Optional[dict]:
     """The newest checkpoint that loads; a corrupt newer one is reported and skipped."""
     for step, path in resumable_checkpoints(checkpoint_dir, batches_per_epoch):
         try:
@@ -165,7 +166,7 @@ def extend_position_embeddings(state_dict: Dict[str, torch.Tensor], max_seq_len:
 
 
 def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_seq_len: int,
-                            log=print) -> Tuple[List[str], List[str]]:
+                            log=say) -> Tuple[List[str], List[str]]:
     """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
     Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
     state = load(path)["model_state_dict"]

@@ -21,6 +21,15 @@ COMMAND_MODULES = [
 ]
 
 
+WARNING_PREFIX = "warning: "
+
+
+def say(line: str) -> None:
+    """A command's console line: warnings (``warning: ...``) on stderr, with errors and progress bars, so they still
+    show when stdout goes to a file; the rest on stdout. Flushed, so the two streams interleave in order."""
+    print(line, file=sys.stderr if line.startswith(WARNING_PREFIX) else sys.stdout, flush=True)
+
+
 def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, run) -> None:
     """Register a subcommand whose flags come from ``add_arguments`` and whose work is ``run(args)``."""
     p = subparsers.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import atomic, checkpoint
-from .cli import add_subcommand
+from .cli import add_subcommand, say
 from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config, read_config_json
 from .errors import UserError
 from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
@@ -262,7 +262,7 @@ def _check_weights_fit(state: Dict[str, torch.Tensor], mc: ModelConfig, num_labe
 
 
 def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_weights: Optional[PathLike] = None,
-              num_labels: Optional[int] = None, log: Callable[[str], None] = print, overwrite: bool = False) -> Path:
+              num_labels: Optional[int] = None, log: Callable[[str], None] = say, overwrite: bool = False) -> Path:
     """Write a folder that ``transformers.AutoModelFor...from_pretrained`` loads: config.json, safetensors
     weights and (when the model folder names one) the tokenizer. ``output`` must be new or empty, or (with
     ``overwrite``) a previous export, which is replaced as a whole."""
@@ -434,7 +434,7 @@ def _check_activation(hf_cfg: dict, log) -> None:
 
 
 def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match_transformers: bool = False,
-                         log: Callable[[str], None] = print) -> ModelConfig:
+                         log: Callable[[str], None] = say) -> ModelConfig:
     """Our ModelConfig for a transformers NystromformerConfig dict. ``base`` supplies our options without a
     transformers counterpart (mixed precision, checkpointing...)."""
     base = base or ModelConfig()
@@ -475,7 +475,7 @@ def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match
         pre_layer_norm=False)  # transformers' Nystromformer is post-LayerNorm
 
 
-def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[str], None] = print) -> ModelConfig:
+def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[str], None] = say) -> ModelConfig:
     """Our ModelConfig for RoBERTa weights: dimensions from RoBERTa; attention type, landmarks, conv and
     max_seq_len from ``base`` (our config.json / flags)."""
     _check_activation(hf_cfg, log)
@@ -489,7 +489,7 @@ def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[st
 
 
 def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, family: str,
-                       log: Callable[[str], None] = print) -> Dict[str, torch.Tensor]:
+                       log: Callable[[str], None] = say) -> Dict[str, torch.Tensor]:
     """Our full MLM state dict: mapped weights where transformers has them, our initialisation elsewhere
     (reported). A zero 1x1 conv (our export of "no conv") is dropped when ``mc`` has no conv."""
     model = NystromformerForMaskedLM(mc)
@@ -596,7 +596,7 @@ def _validated(build: Callable[[], Config], source: Path, overrides: Optional[di
 
 
 def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool = False,
-              overrides: Optional[dict] = None, force: bool = False, log: Callable[[str], None] = print) -> Path:
+              overrides: Optional[dict] = None, force: bool = False, log: Callable[[str], None] = say) -> Path:
     """Write ``<model_dir>/imported/hf-import.model`` from a transformers Nyströmformer or RoBERTa folder, and
     config.json with the model section and ``from_cp`` pointing at it (other keys kept or defaulted)."""
     model_dir = Path(model_dir)

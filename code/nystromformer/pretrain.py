@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import checkpoint
-from .cli import add_subcommand, script_main
+from .cli import add_subcommand, say, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
 from .jsonlog import JsonLog
@@ -230,7 +230,7 @@ class PretrainRun:
     def __init__(self, cfg: Config, rt: Runtime, preemption: PreemptionFlag, show_progress: bool):
         self.cfg, self.rt, self.preemption, self.show_progress = cfg, rt, preemption, show_progress
         self.ps = ps = cfg.pretraining_setting
-        self.say = print if rt.is_main else (lambda *a, **k: None)
+        self.say = say if rt.is_main else (lambda *a, **k: None)
         self.train_data, self.dev_data = _load_data(cfg)
         self.special, self.vocab_size = self.train_data.meta["special_tokens"], self.train_data.meta["vocab_size"]
         self.data_id = data_fingerprint(cfg.data_dir, self.train_data)
@@ -402,7 +402,7 @@ class PretrainRun:
             if self.rt.is_main:
                 tqdm.write(f"warning: the training loss is {loss_value} at step {done}; the GradScaler skipped the "
                            f"step ({self.nonfinite.consecutive} in a row; {MAX_CONSECUTIVE_SKIPPED_STEPS} stop the "
-                           f"run)")
+                           f"run)", file=sys.stderr)
             self.log.write(type="skipped", epoch=epoch, step=done, loss=str(loss_value), lr=queued.lr)
         else:
             self.log.write(type="train", epoch=epoch, step=done, loss=loss_value, mlm_accu=accu, lr=queued.lr,

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, jsonlog
+from .cli import say
 from .config import Config, ConfigError
 from .runtime import Runtime
 from .shards import ShardedSequences, ShardError
@@ -83,7 +84,7 @@ def data_fingerprint(data_dir, train: ShardedSequences) -> dict:
             "num_shards": len(shards), "num_sequences": len(train), "rows": rows.hexdigest()}
 
 
-def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str, log=print) -> None:
+def check_resumable_data(saved: Optional[dict], cfg: Config, current: dict, path: str, log=say) -> None:
     """Refuse to resume on other training data than the checkpoint's."""
     # A checkpoint from before this record (none), or with an older format (hashes of meta.json's raw bytes,
     # which held the tokenizer's path): nothing comparable was kept, so it resumes unchecked, not refused.

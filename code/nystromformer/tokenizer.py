@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, Union
 
+from .cli import say
 from .errors import UserError
 
 # A tokenizer folder's files (this order: data/build.py's tokenizer fingerprint hashes them in it).
@@ -80,7 +81,7 @@ def load_model_tokenizer(cfg):
         raise TokenizerError(f"{_tokenizer_setting(cfg)}: {e}") from None
 
 
-def check_tokenizer_fits(cfg, tokenizer, log=print) -> None:
+def check_tokenizer_fits(cfg, tokenizer, log=say) -> None:
     """The tokenizer a model folder uses (``model_tokenizer``) must be the one it was pretrained with: more tokens
     than ``model.vocab_size`` is a ConfigError (ids past the embedding table); a size other than the pretraining
     data's vocabulary (when its meta.json is there to say) is warned about — the ids would mean other words."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import atomic
 from ..checkpoint import find_model
+from ..cli import say
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import resolve_device
@@ -144,7 +145,7 @@ def _stop_on_sigterm(signum, frame):
 
 
 def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices: Optional[List[str]] = None,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = say) -> dict:
     """Run every unfinished run, then write the summary. ``devices``: CUDA_VISIBLE_DEVICES values, one worker
     each, every run in a process of its own that sees only its device (a single value: one run at a time on that
     device); None runs them one after another in this process, on ``--device``.
@@ -233,7 +234,7 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
 
 
 def finished_runs(checkpoint_dir: Path, like: FinetuneSettings,
-                  log: Callable[[str], None] = print) -> List[tuple]:
+                  log: Callable[[str], None] = say) -> List[tuple]:
     """(settings, result) of every run in ``<checkpoint_dir>/glue/`` whose training completed with ``like``'s
     shared settings (see ``shared_settings``), in GLUE's task order, then by lr and batch size. Finished runs of the
     same summary folder (checkpoint, seed, training subset) made with other settings are left out, with a
@@ -271,7 +272,7 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings,
     return sorted(found, key=lambda sr: (order.get(sr[0].task, len(order)), sr[0].lr, sr[0].batch_size))
 
 
-def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = print,
+def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = say,
                   glue_dir: Optional[Path] = None) -> dict:
     """summary.csv (one row per finished run made with the sweep's shared settings, whichever sweep ran it),
     summary.md (that table, the best configuration of each task and the average of those), dev_scores.png

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import atomic
+from ..cli import say
 from ..config import ModelConfig, config_from_dict
 from ..model import Encoder, init_weights
 from ..errors import UserError
@@ -195,7 +196,7 @@ def majority_accuracy(train, test) -> float:
     return sum(lab == top for _, lab in test) / max(len(test), 1)
 
 
-def encode_splits(raw: Dict[str, list], max_length: int, log=print) -> Dict[str, list]:
+def encode_splits(raw: Dict[str, list], max_length: int, log=say) -> Dict[str, list]:
     """{split: [(tokens or source text, label)]} → {split: [(ids, label)]} truncated to max_length (as LRA does);
     how many expressions were cut is said, per split (a cut expression's label may no longer follow from it)."""
     out = {}
