@@ -49,6 +49,18 @@ def test_wiki_keeps_long_articles_without_title_and_counts_every_malformed_doc(t
     assert examples["undecodable_bytes"][0].startswith(str(FIXTURES / "wiki/AA/wiki_01") + ":")
 
 
+def test_wiki_text_is_unescaped_exactly_as_wikiextractor_escaped_it_and_transclusion_tags_dropped(tmp_path):
+    # wikiextractor's default output: the text through html.escape(quote=False), tags it does not know left in
+    article = ("AT&T and R&D; 2 < 3 > 1; the entity &lt; written out; &copy without a semicolon " * 20).strip()
+    escaped = article.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    folder = tmp_path / "extracted" / "AA"
+    folder.mkdir(parents=True)
+    (folder / "wiki_00").write_text(f'<doc id="1" url="u" title="T">\nT\n\n&lt;onlyinclude&gt;\n{escaped}\n'
+                                    f'&lt;/onlyinclude&gt;&lt;noinclude /&gt;\n</doc>\n')
+    documents = list(wiki_documents(expand_inputs([tmp_path / "extracted"], "wiki_*"), SkipLog()))
+    assert documents == [article]
+
+
 def test_wiki_malformed_docs_are_named_in_the_log_with_file_and_line(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="nystromformer.data"):
         preprocess(tmp_path, "wiki")
@@ -294,6 +306,22 @@ def test_stories_and_realnews_split_lines_only_at_newlines_like_the_other_reader
     assert list(stories_documents([tmp_path / "story.txt"], SkipLog())) == [expected]
     assert list(realnews_documents([tmp_path / "news.jsonl"], SkipLog())) == [expected]
     assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == [expected]
+
+
+def test_a_byte_order_mark_opening_a_file_is_not_text_but_one_inside_a_line_is_kept(tmp_path):
+    # Windows editors save UTF-8 with a BOM; tokenized, it would be a token of its own at the document's start.
+    text = "\ufeffFirst line of the file\nsecond \ufeff line\n"
+    for name in ("story.txt", "books.txt"):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "news.jsonl").write_text("\ufeff" + json.dumps({"text": "First line of the file"}) + "\n")
+    (tmp_path / "extracted").mkdir()
+    (tmp_path / "extracted" / "wiki_00").write_text('\ufeff<doc id="1" url="u" title="T">\nT\n\nFirst line of the '
+                                                    'file\n</doc>\n')
+    expected = ["First line of the file\nsecond \ufeff line"]
+    assert list(stories_documents([tmp_path / "story.txt"], SkipLog())) == expected
+    assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == expected
+    assert list(realnews_documents([tmp_path / "news.jsonl"], SkipLog())) == ["First line of the file"]
+    assert list(wiki_documents([tmp_path / "extracted" / "wiki_00"], SkipLog())) == ["First line of the file"]
 
 
 def test_lines_lose_their_indentation_and_trailing_spaces_but_keep_their_breaks(tmp_path):

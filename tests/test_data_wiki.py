@@ -33,6 +33,9 @@ def test_real_wiki_dump_becomes_valid_resumable_shards(shared_dir, tmp_path):
     wiki_stats = json.loads((tmp_path / "wiki" / "stats.json").read_text())
     assert wiki_stats["documents_kept"] > 50 and len(wiki_stats["partitions"]) >= 3
     assert wiki_stats["skipped"]["counts"] == {}  # wikiextractor's own output is well formed
+    text = "".join(p.read_text() for p in sorted((tmp_path / "wiki").glob("part-*.txt")))
+    assert "AT&T" in text and "&amp;" not in text and "&lt;" not in text  # wikiextractor's escaping undone
+    assert "onlyinclude>" not in text  # a transclusion tag of one page
 
     shards = tmp_path / "shards"
     build = ["build-shards", tmp_path / "wiki", "--output", shards, "--tokenizer", roberta,

@@ -55,11 +55,12 @@ def expand_inputs(inputs: Sequence[Path], pattern: str = "*") -> List[Path]:
 
 
 def _decoded_lines(path: Path, skips: SkipLog) -> Iterator[tuple]:
-    """(line number, text or None) for each line; None marks a line with undecodable bytes (already counted)."""
+    """(line number, text or None) for each line; None marks a line with undecodable bytes (already counted). A
+    byte-order mark opening the file (as Windows editors write UTF-8) is not text: it is dropped."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                yield number, raw.decode("utf-8").rstrip("\r\n")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
             except UnicodeDecodeError as e:
                 skips.skip("undecodable_bytes", f"{path}:{number}", str(e))
                 yield number, None
@@ -84,10 +85,21 @@ def _join_paragraphs(lines: Iterable[str]) -> str:
 
 
 DOC_OPEN = re.compile(r'^<doc id="[^"]*" url="[^"]*" title="[^"]*">$')
+# wikiextractor writes the text HTML-escaped (its --html-safe is on by default: & < > become &amp; &lt; &gt;).
+# _wiki_text undoes exactly that, in one pass; html.unescape would also decode entity-like text of the article.
+WIKIEXTRACTOR_ESCAPES = {"&amp;": "&", "&lt;": "<", "&gt;": ">"}
+ESCAPED = re.compile("|".join(WIKIEXTRACTOR_ESCAPES))
+# Transclusion markup wikiextractor does not know and leaves in the text: wikitext control, not prose.
+TRANSCLUSION_TAG = re.compile(r"</?(?:onlyinclude|includeonly|noinclude)\s*/?>", re.IGNORECASE)
+
+
+def _wiki_text(line: str) -> str:
+    return TRANSCLUSION_TAG.sub("", ESCAPED.sub(lambda m: WIKIEXTRACTOR_ESCAPES[m[0]], line))
 
 
 def wiki_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
-    """wikiextractor output: ``<doc id=.. url=.. title=..>``, the title line, the text, ``</doc>``."""
+    """wikiextractor output: ``<doc id=.. url=.. title=..>``, the title line, the text (HTML-escaped: unescaped
+    here), ``</doc>``."""
     for path in files:
         if _is_empty(path, skips):
             continue
@@ -116,7 +128,7 @@ def wiki_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
                     yield _join_paragraphs(body[1:])  # body[0] is the title line
                 body, broken = None, False
             elif body is not None:
-                body.append(line)
+                body.append(_wiki_text(line))
         if body is not None:
             skips.skip("malformed_doc_tag", f"{path}:{start}", "<doc> not closed at end of file")
 
@@ -161,7 +173,7 @@ def stories_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
         if _is_empty(path, skips):
             continue
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is not text
         except UnicodeDecodeError as e:
             line = path.read_bytes()[: e.start].count(b"\n") + 1
             skips.skip("undecodable_bytes", f"{path}:{line}", f"{e}; whole story skipped")
