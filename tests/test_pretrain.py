@@ -18,7 +18,7 @@ import torch
 from nystromformer import checkpoint, plots, shards
 from nystromformer.cli import main
 from nystromformer.config import ConfigError, config_from_dict, load_config
-from nystromformer.mlm import generator, mask_tokens
+from nystromformer.mlm import generator, mask_tokens, ordinary_token_ids
 from nystromformer.model import IGNORE_INDEX, NystromformerForMaskedLM
 from nystromformer.pretrain import (MAX_CONSECUTIVE_SKIPPED_STEPS, PREEMPTED_EXIT_CODE, NonFiniteLosses,
                                     TrainingDiverged, build_scheduler, pretrain)
@@ -69,6 +69,18 @@ def test_masking_follows_80_10_10_and_never_touches_special_tokens():
     assert torch.equal(labels[chosen], ids[chosen])
     again, _ = mask_tokens(ids, generator(0, 1, 7), 0.15, SPECIAL, 1000)
     assert torch.equal(inputs, again)
+
+
+def test_random_replacements_are_ordinary_tokens_drawn_uniformly_never_special_ones():
+    special = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 9}  # RoBERTa's 0-3 and a mask id inside the range
+    vocab_size = 12
+    assert ordinary_token_ids(torch.arange(vocab_size - 5), special).tolist() == [4, 5, 6, 7, 8, 10, 11]
+    ids = torch.full((400, 500), 5)
+    inputs, labels = mask_tokens(ids, generator(0, 1, 3), 1.0, special, vocab_size)
+    swapped = inputs[(inputs != special["mask"]) & (inputs != 5)]
+    assert len(swapped) > 10_000 and set(swapped.unique().tolist()) == {4, 6, 7, 8, 10, 11}
+    counts = torch.bincount(swapped, minlength=vocab_size)[[4, 6, 7, 8, 10, 11]].double()
+    assert (counts / counts.mean() - 1).abs().max() < 0.05  # each of the 7 ordinary ids about 1/7 of the swaps
 
 
 def test_mlm_loss_falls_on_a_learnable_corpus(tmp_path, data, capsys):
@@ -204,8 +216,10 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_p
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn write
     capsys.readouterr()
     assert run(folder) == 0
-    out = capsys.readouterr().out
-    assert "warning: skipping" in out and "cp-0001.cp" in out and "resuming from" in out and "cp-0000.cp" in out
+    console = capsys.readouterr()
+    # the warning on stderr (it shows when stdout goes to a file), the progress on stdout
+    assert "warning: skipping" in console.err and "cp-0001.cp" in console.err
+    assert "warning" not in console.out and "resuming from" in console.out and "cp-0000.cp" in console.out
     assert losses(folder) == uninterrupted[0]
 
 

@@ -54,19 +54,28 @@ class SampleOrder:
 def mask_tokens(ids: torch.Tensor, gen: torch.Generator, mask_prob: float, special: Dict[str, int],
                 vocab_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """BERT masking: choose ``mask_prob`` of the non-special tokens; of those 80% → <mask>, 10% → a random
-    token, 10% unchanged. Returns (inputs, labels) with labels = IGNORE_INDEX where not chosen."""
+    ordinary token (never a special one: a random <pad> would be masked out of attention, a random </s> read as a
+    document boundary), 10% unchanged. Returns (inputs, labels) with labels = IGNORE_INDEX where not chosen."""
     never = torch.zeros_like(ids, dtype=torch.bool)
     for name in ("bos", "eos", "pad"):
         never |= ids == special[name]
     chosen = (torch.rand(ids.shape, generator=gen) < mask_prob) & ~never
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
     action = torch.rand(ids.shape, generator=gen)
-    random_ids = torch.randint(0, vocab_size, ids.shape, generator=gen)
+    random_ids = ordinary_token_ids(torch.randint(0, vocab_size - len(set(special.values())), ids.shape,
+                                                  generator=gen), special)
     inputs = ids.clone()
     inputs[chosen & (action < 0.8)] = special["mask"]
     swap = chosen & (action >= 0.8) & (action < 0.9)
     inputs[swap] = random_ids[swap]
     return inputs, labels
+
+
+def ordinary_token_ids(rank: torch.Tensor, special: Dict[str, int]) -> torch.Tensor:
+    """The ``rank``-th (0-based) id that is not a special token's: each special id at or below it moves it up one."""
+    for special_id in sorted(set(special.values())):
+        rank = rank + (rank >= special_id).to(rank.dtype)
+    return rank
 
 
 def micro_batches(total: int, size: int):
