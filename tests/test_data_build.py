@@ -162,6 +162,35 @@ def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_token
             assert not (members & dev and members & train), (run_lo, sorted(members & dev))
 
 
+def test_builds_of_two_lengths_never_put_one_lengths_dev_text_in_the_others_train_split(partitions,
+                                                                                       trained_tokenizer, tmp_path):
+    # A 4096 model warm-started from a 512 one is evaluated on its dev split: that text must not be in the 512
+    # training data. Runs are measured in tokens (dev_run × 510), the same at every length.
+    root = one_big_partition(partitions, tmp_path)
+    spans = {}
+    for seq_len in (16, 64):
+        block = seq_len - 2
+        build(root, trained_tokenizer, tmp_path / f"order{seq_len}", seq_len=seq_len, datasets=("big",),
+              dev_fraction=0.0, shard_size=100000)
+        rows = all_rows(tmp_path / f"order{seq_len}", "train")  # every sequence, in the file's order
+        repeated = {r for r, n in Counter(map(tuple, rows)).items() if n > 1}
+        start = {tuple(r): i * block for i, r in enumerate(rows) if tuple(r) not in repeated}
+        stats = build(root, trained_tokenizer, tmp_path / f"split{seq_len}", seq_len=seq_len, datasets=("big",),
+                      dev_fraction=0.5, dev_run=1, shard_size=100000, seed=3)
+        for split in ("train", "dev"):
+            spans[seq_len, split] = [(start[tuple(r)], start[tuple(r)] + block)
+                                     for r in all_rows(tmp_path / f"split{seq_len}", split) if tuple(r) in start]
+            assert spans[seq_len, split]
+        # a sequence partly in a dev run and partly in a train run is in neither split, and counted
+        across = stats["datasets"]["big"]["sequences_across_splits"]
+        assert stats["train_sequences"] + stats["dev_sequences"] + across == len(rows)
+
+    def overlap(a, b):
+        return [(x, y) for x in a for y in b if x[0] < y[1] and y[0] < x[1]]
+    assert not overlap(spans[64, "dev"], spans[16, "train"]) and not overlap(spans[16, "dev"], spans[64, "train"])
+    assert overlap(spans[64, "dev"], spans[16, "dev"])  # the same text in dev at both lengths
+
+
 def test_a_folder_built_before_dev_runs_resumes_only_with_its_per_sequence_split(partitions, trained_tokenizer,
                                                                                  tmp_path):
     build(partitions, trained_tokenizer, tmp_path, seq_len=16, dev_run=1)
@@ -171,6 +200,22 @@ def test_a_folder_built_before_dev_runs_resumes_only_with_its_per_sequence_split
     with pytest.raises(BuildError, match="dev_run"):
         build(partitions, trained_tokenizer, tmp_path, seq_len=16)
     build(partitions, trained_tokenizer, tmp_path, seq_len=16, dev_run=1)
+
+
+@pytest.mark.parametrize("seq_len, same_split", [(512, True), (16, False)])
+def test_a_folder_built_with_runs_of_its_own_sequences_resumes_only_where_that_is_the_same_split(
+        partitions, trained_tokenizer, tmp_path, seq_len, same_split):
+    # Before runs were measured in tokens, a run was dev_run of the build's own sequences: at 512 (510 tokens of
+    # text each) that is the same split, at any other length it is not.
+    build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["dev_run_unit"]                 # as such a build wrote it
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    if same_split:
+        build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
+    else:
+        with pytest.raises(BuildError, match=r"other settings \(dev_run_unit differ\)"):
+            build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
 
 
 def test_sampling_ratio_keeps_a_seeded_subset_of_a_datasets_sequences(partitions, trained_tokenizer, tmp_path):
@@ -220,8 +265,9 @@ def test_each_partition_file_draws_its_own_split_not_the_same_pattern_in_every_f
         shutil.copytree(partitions / "wiki", tmp_path / name)
     build(tmp_path, trained_tokenizer, tmp_path / "out", seq_len=16, datasets=("copy1", "copy2"),
           dev_fraction=0.5, dev_run=1, shard_size=100000)
-    first, second = (np.load(tmp_path / "out" / f"{name}--part-00000-train-00000.npy") for name in ("copy1", "copy2"))
-    assert first.shape != second.shape or not np.array_equal(first, second)
+    first, second = ([np.load(p).tolist() for p in sorted((tmp_path / "out").glob(f"{name}--*-dev-*.npy"))]
+                     for name in ("copy1", "copy2"))
+    assert first != second
 
 
 def test_rerunning_a_finished_build_touches_no_file(partitions, trained_tokenizer, tmp_path):
@@ -317,7 +363,7 @@ def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, 
 def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partitions, trained_tokenizer, tmp_path,
                                                                        caplog):
     with caplog.at_level("WARNING", logger="nystromformer.data"):
-        stats = build(partitions, trained_tokenizer, tmp_path, datasets=("wiki", "stories:0.0001"), dev_run=1)
+        stats = build(partitions, trained_tokenizer, tmp_path, datasets=("wiki", "stories:0.0001"), dev_fraction=0.0)
     assert stats["datasets"]["stories"]["sequences"] > 0 and stats["datasets"]["wiki"]["train_sequences"] > 0
     assert stats["datasets"]["stories"]["train_sequences"] + stats["datasets"]["stories"]["dev_sequences"] == 0
     [warning] = stats["warnings"]
@@ -401,25 +447,30 @@ def test_a_build_refuses_indexes_for_a_folder_whose_partitions_changed_after_the
 
 def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_to_use(partitions, trained_tokenizer,
                                                                                       tmp_path, caplog):
-    # Whole runs of --dev-run sequences go to dev: with fewer sequences than one run per partition file, each
-    # file goes one way, and a handful of files cannot make 10%.
+    # Whole runs of --dev-run × 510 tokens go to dev: with less text than one run per partition file, each file
+    # goes one way, and a handful of files cannot make 10%.
     with caplog.at_level("WARNING", logger="nystromformer.data"):
         stats = build(partitions, trained_tokenizer, tmp_path / "runs", datasets=("wiki", "stories"), seq_len=16)
     total = stats["train_sequences"] + stats["dev_sequences"]
     [warning] = stats["warnings"]
     assert f"the dev split holds {stats['dev_sequences']} of {total} sequences" in warning
-    assert "whole runs of --dev-run 8192 consecutive sequences" in warning and "--dev-run" in caplog.text
-    smaller = int(warning.rsplit("--dev-run ", 1)[1].split()[0])
-    # make's users set DEV_RUN, and the folder keeps the settings it was built with
-    assert f"(make: DEV_RUN={smaller}), into a new folder or after deleting this one" in warning
-    rebuilt = build(partitions, trained_tokenizer, tmp_path / "smaller", datasets=("wiki", "stories"), seq_len=16,
-                    dev_run=smaller)
-    assert rebuilt["warnings"] == [] and 0.05 < rebuilt["dev_sequences"] / total < 0.15
-    # Per sequence already, or nearly: no shorter run to suggest.
-    assert dev_split_warning(train=9, dev=0, dev_fraction=0.1, dev_run=1) == (
-        "the dev split holds 0 of 9 sequences (0.0%), not ~10%: too few sequences (9) for the fraction to come out "
-        "right")
-    assert dev_split_warning(train=900, dev=100, dev_fraction=0.1, dev_run=8192) is None
+    assert "whole runs of --dev-run 8192 × 510 tokens of text (8192 sequences of 512)" in warning
+    assert "--dev-run" in caplog.text
+    # make's users set DEV_RUN, and the folder keeps the settings it was built with; this fixture is too small
+    # for any run length (~5 runs of 510 tokens), and the warning says so
+    assert ("build again with --dev-run 1 (still only ~5 runs: too little text for the fraction to come out right) "
+            "(make: DEV_RUN=1), into a new folder or after deleting this one") in warning
+    # Enough text for ~200 runs of 32 × 510 tokens: that run length is suggested.
+    assert "build again with --dev-run 32 or less (make: DEV_RUN=32)" in dev_split_warning(
+        train=9000, dev=0, dev_fraction=0.1, dev_run=8192, seq_len=512)
+    # The same text in sequences of 4096: the same suggestion (runs are measured in text, not in sequences).
+    assert "build again with --dev-run 32 or less (make: DEV_RUN=32)" in dev_split_warning(
+        train=9000 * 510 // 4094 + 1, dev=0, dev_fraction=0.1, dev_run=8192, seq_len=4096)
+    # Runs of one unit already, or nearly: no shorter run to suggest.
+    assert dev_split_warning(train=9, dev=0, dev_fraction=0.1, dev_run=1, seq_len=16) == (
+        "the dev split holds 0 of 9 sequences (0.0%), not ~10%: too little text (9 sequences of 16 tokens, ~0 runs of "
+        "--dev-run 1) for the fraction to come out right")
+    assert dev_split_warning(train=900, dev=100, dev_fraction=0.1, dev_run=8192, seq_len=512) is None
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -5,12 +5,15 @@ Per input partition file (the unit of work and of resumption):
   FULL-SENTENCES packing: a sequence may cross a document boundary, the separator marks it);
 - the token stream is cut into contiguous blocks of ``seq_len - 2`` tokens, each wrapped as ``<s> block </s>``,
   so every sequence has exactly ``seq_len`` ids; the tail shorter than a block is dropped (and counted);
-- each sequence draws two numbers from a generator seeded by (seed, dataset, file name): one keeps it with
-  probability = the dataset's sampling ratio; the dev split goes by runs of ``dev_run`` consecutive sequences
-  (default 8,192, the paper's output files), each sent to dev with probability ``dev_fraction`` by a second
-  generator, so that dev text rarely neighbours trained text (``dev_run`` 1: per sequence, with the other draw, as
-  builds before this option). So the result does not depend on the number of workers or on which files were
-  built in an earlier run;
+- each sequence is kept with probability = the dataset's sampling ratio (a generator seeded by (seed, dataset,
+  file name));
+- the dev split goes by runs of the file's token stream, ``dev_run`` × DEV_RUN_UNIT (510) tokens each — ``dev_run``
+  sequences at seq_len 512 (default 8,192, the paper's output files) — each sent to dev with probability
+  ``dev_fraction`` by a second generator. Runs are measured in tokens, not in this build's sequences, so builds
+  of every length put the same text in dev: a 4096 model warm-started from a 512 one is evaluated on text the
+  512 model never trained on. A sequence whose text lies partly in a dev run and partly in a train run goes to
+  neither split (counted as ``sequences_across_splits``; none at 512, where runs end on sequence boundaries).
+  So the result does not depend on the number of workers or on which files were built in an earlier run;
 - its shards ``<dataset>--<part>-<split>-<k>.npy`` (at most ``shard_size`` rows) are written atomically, then a
   manifest entry ``manifest/<dataset>--<part>.json``. A re-run skips files whose entry exists and whose source
   is unchanged; an interrupted run redoes only the files without an entry.
@@ -50,7 +53,10 @@ log = logging.getLogger("nystromformer.data")
 
 MANIFEST_DIR = "manifest"
 SHARD_SIZE = 16384  # sequences per shard: 16 MB at seq_len 512 (uint16), 128 MB at 4096
-DEV_RUN = 8192  # consecutive sequences sent to dev or train together: the paper's output files held 8,192
+DEV_RUN = 8192  # runs of this many units go to dev or train together: the paper's output files held 8,192 sequences
+# Tokens per unit of dev_run, at every seq_len: a 512-token sequence's text. At seq_len 512 a run is dev_run
+# sequences as before; at 4096 the same text (and at 128, ...), so no length's dev text is another's train text.
+DEV_RUN_UNIT = 510
 
 
 class BuildError(UserError, ValueError):
@@ -128,12 +134,13 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     rng = np.random.default_rng([seed, zlib.crc32(task.key.encode())])
     run_rng = np.random.default_rng([seed, zlib.crc32(task.key.encode()), 1])  # one draw per run of dev_run
     run_is_dev: List[bool] = []
+    run_tokens = dev_run * DEV_RUN_UNIT
     for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
         old.unlink()
     shards: Dict[str, List[str]] = {"train": [], "dev": []}
     rows: Dict[str, List[np.ndarray]] = {"train": [], "dev": []}
     stats = {"documents": 0, "tokens": 0, "sequences": 0, "sequences_sampled_out": 0, "tokens_dropped_tail": 0,
-             "train_sequences": 0, "dev_sequences": 0}
+             "sequences_across_splits": 0, "train_sequences": 0, "dev_sequences": 0}
 
     def flush(split: str, final: bool = False) -> None:
         while rows[split] and (final or sum(len(r) for r in rows[split]) >= shard_size):
@@ -149,18 +156,15 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
             blocks = stream[: count * block].reshape(count, block)
             sequences = np.empty((count, seq_len), dtype=meta["dtype"])
             sequences[:, 0], sequences[:, 1:-1], sequences[:, -1] = bos, blocks, eos
-            draws = rng.random((count, 2))
-            keep = draws[:, 0] < task.ratio
-            if dev_run == 1:
-                to_dev = draws[:, 1] < dev_fraction
-            else:
-                runs = (stats["sequences"] + np.arange(count)) // dev_run   # runs of the file's sequence order
-                while len(run_is_dev) <= runs[-1]:
-                    run_is_dev.append(bool(run_rng.random() < dev_fraction))
-                to_dev = np.asarray(run_is_dev)[runs]
+            # (Two draws per sequence, the second unused: the second once decided dev for --dev-run 1. Kept, so
+            # that a build keeps the sequences it sampled.)
+            keep = rng.random((count, 2))[:, 0] < task.ratio
+            to_dev, to_train = _runs_split(stats["sequences"], count, block, run_tokens, run_is_dev,
+                                           lambda: bool(run_rng.random() < dev_fraction))
             stats["sequences"] += count
             stats["sequences_sampled_out"] += int((~keep).sum())
-            for split, chosen in (("train", keep & ~to_dev), ("dev", keep & to_dev)):
+            stats["sequences_across_splits"] += int((keep & ~to_dev & ~to_train).sum())
+            for split, chosen in (("train", keep & to_train), ("dev", keep & to_dev)):
                 if chosen.any():
                     rows[split].append(sequences[chosen])
                     stats[f"{split}_sequences"] += int(chosen.sum())
@@ -192,6 +196,21 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
             "shard_rows": {split: [np.load(output / n, mmap_mode="r").shape[0] for n in names]
                            for split, names in shards.items()},
             "stats": stats}
+
+
+def _runs_split(first: int, count: int, block: int, run_tokens: int, run_is_dev: List[bool],
+                draw: Callable[[], bool]) -> tuple:
+    """(to_dev, to_train) for the file's sequences ``first`` .. ``first + count - 1``, each ``block`` tokens of its
+    token stream: dev if every run of ``run_tokens`` tokens it overlaps is a dev run, train if none is (neither
+    if mixed). ``run_is_dev`` holds the runs' draws so far and is extended with ``draw()`` in run order."""
+    start = (first + np.arange(count, dtype=np.int64)) * block
+    first_run, last_run = start // run_tokens, (start + block - 1) // run_tokens
+    while len(run_is_dev) <= last_run[-1]:
+        run_is_dev.append(draw())
+    lo = int(first_run[0])
+    dev_runs_before = np.concatenate([[0], np.cumsum(run_is_dev[lo:int(last_run[-1]) + 1])])  # from run lo
+    dev_runs = dev_runs_before[last_run - lo + 1] - dev_runs_before[first_run - lo]
+    return dev_runs == last_run - first_run + 1, dev_runs == 0
 
 
 # Worker processes (spawned, so no Rust thread pool is inherited across a fork) each load the tokenizer once.
@@ -252,20 +271,24 @@ def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
     return False
 
 
-def dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int) -> Optional[str]:
-    """Whole runs of ``dev_run`` sequences go to dev: a build with few runs can miss the fraction badly (or get no
-    dev sequence at all, and pretraining no dev evaluation)."""
+def dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int, seq_len: int) -> Optional[str]:
+    """Whole runs of ``dev_run`` × DEV_RUN_UNIT tokens go to dev: a build with few runs can miss the fraction badly
+    (or get no dev sequence at all, and pretraining no dev evaluation)."""
     total = train + dev
     if not total or not dev_fraction or abs(dev / total - dev_fraction) <= dev_fraction / 2:
         return None
     holds = f"the dev split holds {dev} of {total} sequences ({dev / total:.1%}), not ~{dev_fraction:.0%}"
-    smaller = 1 << max(0, (total // 200).bit_length() - 1)  # ~200 runs or more: a fraction within a few percent
-    if smaller >= dev_run:  # already per sequence, or nearly: too few sequences for any split to come out right
-        return f"{holds}: too few sequences ({total}) for the fraction to come out right"
-    return (f"{holds}: it takes whole runs of --dev-run {dev_run} consecutive sequences, and this build has only ~"
-            f"{max(1, -(-total // dev_run))} of them; for data this small build again with --dev-run {smaller}"
-            + (" or less" if smaller > 1 else "") + f" (make: DEV_RUN={smaller}), into a new folder or after deleting "
-            f"this one (a folder keeps the settings it was built with)")
+    units = total * (seq_len - 2) // DEV_RUN_UNIT  # runs at --dev-run 1 (the text of the build's sequences)
+    smaller = 1 << max(0, (units // 200).bit_length() - 1)  # ~200 runs or more: a fraction within a few percent
+    if smaller >= dev_run:  # runs of one unit already, or nearly
+        return (f"{holds}: too little text ({total} sequences of {seq_len} tokens, ~{units} runs of --dev-run 1) for "
+                f"the fraction to come out right")
+    few = f" (still only ~{units} runs: too little text for the fraction to come out right)" if units < 200 else ""
+    return (f"{holds}: it takes whole runs of --dev-run {dev_run} × {DEV_RUN_UNIT} tokens of text ({dev_run} "
+            f"sequences of 512), and this build has only ~{max(1, -(-units // dev_run))} of them; for data this "
+            f"small build again with --dev-run {smaller}" + (" or less" if smaller > 1 else "") + f"{few} (make: "
+            f"DEV_RUN={smaller}), into a new folder or after deleting this one (a folder keeps the settings it was "
+            f"built with)")
 
 
 def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,
@@ -283,7 +306,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     tok = load_tokenizer(tokenizer)
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
-                     seed=seed, shard_size=shard_size)
+                     dev_run_unit=DEV_RUN_UNIT, seed=seed, shard_size=shard_size)
     _open_output(output, meta, tokenizer)
 
     pending = [t for t in tasks if not _finished(output, t)]
@@ -351,6 +374,9 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
             raise BuildError(f"{existing}: not valid JSON ({e}); delete the folder and build again") from None
         new = json.loads(json.dumps(meta))
         old.setdefault("dev_run", 1)  # built before the option: split per sequence
+        # Built before runs were measured in tokens: runs of dev_run of its own sequences (the same split as now
+        # at seq_len 512, where a sequence holds 510 tokens), or per sequence with another draw (dev_run 1).
+        old.setdefault("dev_run_unit", old.get("max_seq_len", 2) - 2 if old["dev_run"] > 1 else "per sequence")
         changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
             changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
@@ -418,7 +444,8 @@ def _summarise(datasets: Sequence[DatasetSpec], entries: List[dict], seq_len: in
             log.warning("%s", stats["warnings"][-1])
     stats["train_sequences"] = sum(s.get("train_sequences", 0) for s in stats["datasets"].values())
     stats["dev_sequences"] = sum(s.get("dev_sequences", 0) for s in stats["datasets"].values())
-    split_warning = dev_split_warning(stats["train_sequences"], stats["dev_sequences"], dev_fraction, dev_run)
+    split_warning = dev_split_warning(stats["train_sequences"], stats["dev_sequences"], dev_fraction, dev_run,
+                                      seq_len)
     if split_warning:
         stats["warnings"].append(split_warning)
         log.warning("%s", split_warning)

@@ -129,8 +129,9 @@ def add_build_shards_arguments(p) -> None:
     p.add_argument("--shard-size", type=int, default=SHARD_SIZE, help="sequences per shard")
     p.add_argument("--dev-fraction", type=float, default=0.1)
     p.add_argument("--dev-run", type=int, default=DEV_RUN,
-                   help="consecutive sequences that go to dev or train together (the paper: files of 8192; "
-                        "1: per sequence, as builds before this option)")
+                   help="runs of this many x 510 tokens of a partition file go to dev or train together (8192: "
+                        "the paper's files of 8192 sequences of 512); measured in text, so every --seq-len puts the "
+                        "same text in dev")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="processes encoding partition files in parallel")
