@@ -454,23 +454,23 @@ def test_a_dev_split_far_from_its_fraction_is_warned_about_with_the_run_length_t
     total = stats["train_sequences"] + stats["dev_sequences"]
     [warning] = stats["warnings"]
     assert f"the dev split holds {stats['dev_sequences']} of {total} sequences" in warning
-    assert "whole runs of --dev-run 8192 × 510 tokens of text (8192 sequences of 512)" in warning
-    assert "--dev-run" in caplog.text
-    # make's users set DEV_RUN, and the folder keeps the settings it was built with; this fixture is too small
-    # for any run length (~5 runs of 510 tokens), and the warning says so
-    assert ("build again with --dev-run 1 (still only ~5 runs: too little text for the fraction to come out right) "
-            "(make: DEV_RUN=1), into a new folder or after deleting this one") in warning
-    # Enough text for ~200 runs of 32 × 510 tokens: that run length is suggested.
-    assert "build again with --dev-run 32 or less (make: DEV_RUN=32)" in dev_split_warning(
-        train=9000, dev=0, dev_fraction=0.1, dev_run=8192, seq_len=512)
-    # The same text in sequences of 4096: the same suggestion (runs are measured in text, not in sequences).
-    assert "build again with --dev-run 32 or less (make: DEV_RUN=32)" in dev_split_warning(
-        train=9000 * 510 // 4094 + 1, dev=0, dev_fraction=0.1, dev_run=8192, seq_len=4096)
-    # Runs of one unit already, or nearly: no shorter run to suggest.
-    assert dev_split_warning(train=9, dev=0, dev_fraction=0.1, dev_run=1, seq_len=16) == (
-        "the dev split holds 0 of 9 sequences (0.0%), not ~10%: too little text (9 sequences of 16 tokens, ~0 runs of "
-        "--dev-run 1) for the fraction to come out right")
-    assert dev_split_warning(train=900, dev=100, dev_fraction=0.1, dev_run=8192, seq_len=512) is None
+    assert "whole runs of --dev-run 8192 × 510 tokens of text (8192 sequences of 512; ~1 in this build)" in warning
+    assert warning in caplog.text
+    # This fixture is too small for any run length (~5 runs of 510 tokens), and the warning says so.
+    assert warning.endswith("too little text for a dev split at 16 tokens (runs must hold a few sequences, "
+                            "--dev-run 1 or more, and it holds ~5 of those)")
+    # Enough text for ~200 runs of 32 × 510 tokens: that run length is suggested; make's users set DEV_RUN, and
+    # the folder keeps the settings it was built with.
+    assert dev_split_warning(train=9000, dev=0, across=0, dev_fraction=0.1, dev_run=8192, seq_len=512).endswith(
+        "build again with --dev-run 32 (make: DEV_RUN=32), into a new folder or after deleting this one (a folder "
+        "keeps the settings it was built with)")
+    # The same text in sequences of 4096: runs must hold a few of them (64 × 510 tokens), fewer runs then.
+    assert ("build again with --dev-run 64 (still only ~140 runs: expect a rough fraction) (make: DEV_RUN=64)"
+            in dev_split_warning(train=1122, dev=0, across=0, dev_fraction=0.1, dev_run=8192, seq_len=4096))
+    # Runs too short for the sequences: many fall across a dev/train boundary, and the warning says so.
+    assert dev_split_warning(train=900, dev=100, across=300, dev_fraction=0.1, dev_run=8, seq_len=4096).startswith(
+        "300 of 1300 sequences (23%) lie across a boundary between a dev and a train run, in neither split")
+    assert dev_split_warning(train=900, dev=100, across=0, dev_fraction=0.1, dev_run=8192, seq_len=512) is None
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -271,24 +271,43 @@ def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
     return False
 
 
-def dev_split_warning(train: int, dev: int, dev_fraction: float, dev_run: int, seq_len: int) -> Optional[str]:
+def dev_split_warning(train: int, dev: int, across: int, dev_fraction: float, dev_run: int,
+                      seq_len: int) -> Optional[str]:
     """Whole runs of ``dev_run`` × DEV_RUN_UNIT tokens go to dev: a build with few runs can miss the fraction badly
-    (or get no dev sequence at all, and pretraining no dev evaluation)."""
-    total = train + dev
-    if not total or not dev_fraction or abs(dev / total - dev_fraction) <= dev_fraction / 2:
+    (or get no dev sequence at all, and pretraining no dev evaluation), and runs not much longer than a sequence
+    leave many sequences across a dev/train boundary, in neither split. Names the run length to use, if any."""
+    kept = train + dev
+    total = kept + across
+    if not total or not dev_fraction:
         return None
-    holds = f"the dev split holds {dev} of {total} sequences ({dev / total:.1%}), not ~{dev_fraction:.0%}"
-    units = total * (seq_len - 2) // DEV_RUN_UNIT  # runs at --dev-run 1 (the text of the build's sequences)
-    smaller = 1 << max(0, (units // 200).bit_length() - 1)  # ~200 runs or more: a fraction within a few percent
-    if smaller >= dev_run:  # runs of one unit already, or nearly
-        return (f"{holds}: too little text ({total} sequences of {seq_len} tokens, ~{units} runs of --dev-run 1) for "
-                f"the fraction to come out right")
-    few = f" (still only ~{units} runs: too little text for the fraction to come out right)" if units < 200 else ""
-    return (f"{holds}: it takes whole runs of --dev-run {dev_run} × {DEV_RUN_UNIT} tokens of text ({dev_run} "
-            f"sequences of 512), and this build has only ~{max(1, -(-units // dev_run))} of them; for data this "
-            f"small build again with --dev-run {smaller}" + (" or less" if smaller > 1 else "") + f"{few} (make: "
-            f"DEV_RUN={smaller}), into a new folder or after deleting this one (a folder keeps the settings it was "
-            f"built with)")
+    units = total * (seq_len - 2) // DEV_RUN_UNIT  # runs at --dev-run 1 in the build's text
+    # The run length to use (a power of two): runs of at least ~4 sequences, else many sequences straddle a dev/train
+    # boundary; and as short as that allows, down to ~200 runs, for a fraction within a few percent.
+    shortest = 1 << (-(-4 * (seq_len - 2) // DEV_RUN_UNIT) - 1).bit_length()
+    longest = 1 << max(0, (units // 200).bit_length() - 1)
+    best = min(max(dev_run, shortest), max(longest, shortest))
+    far = not kept or abs(dev / kept - dev_fraction) > dev_fraction / 2
+    lost = across > total / 20
+    if not (far or lost):
+        return None
+    problems = []
+    if far:
+        problems.append(f"the dev split holds {dev} of {kept} sequences ({dev / max(kept, 1):.1%}), not "
+                        f"~{dev_fraction:.0%}")
+    if lost:
+        problems.append(f"{across} of {total} sequences ({across / total:.0%}) lie across a boundary between a dev "
+                        f"and a train run, in neither split")
+    what = (f"{' and '.join(problems)}: it takes whole runs of --dev-run {dev_run} × {DEV_RUN_UNIT} tokens of text "
+            f"({dev_run} sequence{'s' if dev_run != 1 else ''} of 512; ~{max(1, -(-units // dev_run))} in this "
+            f"build)")
+    if units // best < 10:
+        return (f"{what}; this build has too little text for a dev split at {seq_len} tokens (runs must hold a few "
+                f"sequences, --dev-run {shortest} or more, and it holds ~{units // shortest} of those)")
+    rough = f" (still only ~{units // best} runs: expect a rough fraction)" if units // best < 200 else ""
+    if best == dev_run:
+        return f"{what}; a chance deviation{rough}"
+    return (f"{what}; for data this size build again with --dev-run {best}{rough} (make: DEV_RUN={best}), into a "
+            f"new folder or after deleting this one (a folder keeps the settings it was built with)")
 
 
 def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, seq_len: int = 512,
@@ -444,8 +463,9 @@ def _summarise(datasets: Sequence[DatasetSpec], entries: List[dict], seq_len: in
             log.warning("%s", stats["warnings"][-1])
     stats["train_sequences"] = sum(s.get("train_sequences", 0) for s in stats["datasets"].values())
     stats["dev_sequences"] = sum(s.get("dev_sequences", 0) for s in stats["datasets"].values())
-    split_warning = dev_split_warning(stats["train_sequences"], stats["dev_sequences"], dev_fraction, dev_run,
-                                      seq_len)
+    across = sum(s.get("sequences_across_splits", 0) for s in stats["datasets"].values())
+    split_warning = dev_split_warning(stats["train_sequences"], stats["dev_sequences"], across, dev_fraction,
+                                      dev_run, seq_len)
     if split_warning:
         stats["warnings"].append(split_warning)
         log.warning("%s", split_warning)
