@@ -330,3 +330,21 @@ def test_reformer_with_several_chunks_and_hashes_is_its_definition():
     expected = naive_reformer(q, v, mask, 4, 2, rotation)
     real = mask.bool()
     torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_REGISTRY))
+def test_the_variants_whose_outputs_depend_on_the_amount_of_padding_are_declared_so(name):
+    # GLUE pads these to one fixed length (glue/finetune.py, collator): the declaration must match the behaviour.
+    from nystromformer.attention import PADDING_AMOUNT_MATTERS
+    torch.manual_seed(0)
+    attn = build_attention(cfg(name, num_landmarks=4)).double()
+    attn.eval()
+    q, k, v = qkv(n=32)
+    outs = []
+    for n in (24, 32):  # the same 20 real tokens, padded to 24 or to 32
+        mask = torch.zeros(B, n, dtype=torch.long)
+        mask[:, :20] = 1
+        torch.manual_seed(1)  # the same random rotations / features for both
+        outs.append(attn(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask)[:, :, :20])
+    same = torch.allclose(outs[0], outs[1], atol=1e-10, rtol=1e-10)
+    assert same == (name not in PADDING_AMOUNT_MATTERS), name

@@ -159,6 +159,23 @@ def test_pairs_are_encoded_as_the_tokenizer_pairs_them_and_padded_per_batch(robe
     assert scores["labels"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("attn_type, padded_to", [("softmax", "longest"), ("linformer", "longest"),
+                                                  ("nystrom", "max_seq_len"), ("reformer", "max_seq_len"),
+                                                  ("bigbird", "max_seq_len")])
+def test_attention_that_depends_on_the_amount_of_padding_gets_every_batch_padded_to_max_seq_len(roberta, attn_type,
+                                                                                              padded_to):
+    # Else a Nyström model's prediction for a sentence would depend on the longest sentence of its batch (its
+    # landmarks move), and a batch of at most num_landmarks tokens would be exact softmax, not Nyström.
+    from nystromformer.config import ModelConfig
+    from nystromformer.glue.finetune import collator
+    short = EncodedDataset(read_split(FIXTURES, TASKS["QQP"], "dev").examples, roberta, max_seq_len=64)
+    collate = collator(ModelConfig(attn_type=attn_type), roberta, TASKS["QQP"], max_seq_len=64)
+    batch = collate([short[0], short[1]])
+    lengths = [len(short[0]["input_ids"]), len(short[1]["input_ids"])]
+    assert batch["input_ids"].shape == (2, max(lengths) if padded_to == "longest" else 64)
+    assert batch["attention_mask"].sum(dim=1).tolist() == lengths
+
+
 def test_submission_format(tmp_path):
     assert format_predictions(["entailment", "not_entailment"], torch.tensor([[0.1, 2.0], [3.0, -1.0]]).numpy()) == \
         ["not_entailment", "entailment"]

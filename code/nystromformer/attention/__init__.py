@@ -14,6 +14,12 @@ import torch
 import torch.nn as nn
 
 ATTENTION_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
+# Variants whose real tokens' outputs change with the *amount* of padding (docs/attention.md, "padding"): Nyström's
+# segment-mean landmarks move with the padded length (and at most num_landmarks positions it is exact softmax),
+# Reformer's bucket count and BigBird's random blocks (drawn per block count) follow it. Fine-tuning pads their
+# batches to one fixed length, as the authors' GLUE runs did, so that an example's prediction does not depend on the
+# longest example of its batch (tests/test_attention_variants.py checks this set against every variant).
+PADDING_AMOUNT_MATTERS = frozenset({"nystrom", "reformer", "bigbird"})
 
 
 def register(name: str):

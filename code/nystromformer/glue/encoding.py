@@ -35,14 +35,16 @@ class EncodedDataset(Dataset):
 
 
 class PadCollator:
-    """Pad a list of items to the batch's longest sequence; the attention mask marks real tokens."""
+    """Pad a list of items to the batch's longest sequence, or to ``pad_to`` tokens when given (for attention whose
+    outputs depend on the amount of padding); the attention mask marks real tokens."""
 
-    def __init__(self, pad_token_id: int, regression: bool):
+    def __init__(self, pad_token_id: int, regression: bool, pad_to: Optional[int] = None):
         self.pad_token_id = pad_token_id
         self.regression = regression
+        self.pad_to = pad_to
 
     def __call__(self, items: List[Dict]) -> Dict[str, torch.Tensor]:
-        longest = max(len(item["input_ids"]) for item in items)
+        longest = self.pad_to or max(len(item["input_ids"]) for item in items)
         input_ids = torch.full((len(items), longest), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(items), longest), dtype=torch.long)
         for row, item in enumerate(items):

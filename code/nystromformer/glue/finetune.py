@@ -31,8 +31,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .. import atomic
+from ..attention import PADDING_AMOUNT_MATTERS
 from ..checkpoint import find_model, load_pretrained_weights
 from ..checkpoint import load as load_checkpoint
+from ..cli import say
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification
@@ -284,7 +286,7 @@ def check_max_seq_len(cfg, max_seq_len: Optional[int]) -> int:
     return max_seq_len
 
 
-def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = print) -> dict:
+def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = say) -> dict:
     """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
 
     Returns the result dict also written to result.json: best_epoch, best_score, best_metrics (dev),
@@ -312,7 +314,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
                                      settings.max_eval_examples)
                     for split in task.dev}
     with_token_types = cfg.model.num_sen_type > 1
-    collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
+    collate = collator(cfg.model, tokenizer, task, max_seq_len)
     encode = lambda examples: EncodedDataset(examples, tokenizer, max_seq_len, with_token_types)  # noqa: E731
 
     set_seed(settings.seed)
@@ -420,6 +422,14 @@ def train_one_epoch(runner: Runner, batches: tqdm, optimizer, scheduler) -> floa
     return loss_sum / max(count, 1)
 
 
+def collator(model_config, tokenizer, task: Task, max_seq_len: int) -> PadCollator:
+    """Batches padded to their longest example, or to ``max_seq_len`` for attention whose outputs depend on the
+    amount of padding (Nyström: else a short batch would move its landmarks, or at most num_landmarks tokens
+    make it exact softmax, and an example's prediction would depend on its batch)."""
+    fixed = model_config.attn_type in PADDING_AMOUNT_MATTERS
+    return PadCollator(tokenizer.pad_token_id, task.is_regression, pad_to=max_seq_len if fixed else None)
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
@@ -451,7 +461,7 @@ def write_task_submission(runner: Runner, task: Task, glue_dir: Path, tokenizer,
     could not be (a test file that is unreadable or has a malformed row, non-finite outputs) and the names of the
     files whose test file is absent (reported, not an error: a rerun writes them once the test file is there)."""
     written, errors, missing = [], [], []
-    collate = PadCollator(tokenizer.pad_token_id, task.is_regression)
+    collate = collator(runner.model.config, tokenizer, task, max_seq_len)
     for file_name, read in submission_sources(glue_dir, task).items():
         try:
             result = read()
