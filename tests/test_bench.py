@@ -146,3 +146,20 @@ def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
     for name, loop, bare, ratio, loop_x, bare_x in rows:
         assert float(loop) > 0 and float(bare) > 0 and float(ratio) > 0
     assert rows[1][4:] == ["1.00", "1.00"]
+
+
+def test_glue_batch_dependence_shows_fixed_padding_predictions_independent_of_the_batch(shared_dir, tmp_path):
+    from nystromformer.glue.finetune import FinetuneSettings, finetune
+    from test_glue_finetune import FIXTURES, make_model_folder
+    model_dir = make_model_folder(tmp_path / "tiny", shared_dir / "tokenizers" / "roberta-base", FIXTURES)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=4, epochs=1, progress=False,
+                                submission=False)
+    result = finetune(model_dir, settings, log=lambda line: None)
+    run = Path(result["best_weights"]).parent.name
+    lines = run_script("bench/glue_batch_dependence.py", "--model-dir", str(model_dir), "--run", run, "--task", "MRPC",
+                       "--batch-sizes", "1,3,8")
+    rows = table_rows(lines)
+    assert [(r[0], r[1]) for r in rows] == [(p, b) for p in ("longest", "fixed") for b in ("1", "3", "8")]
+    fixed = [r for r in rows if r[0] == "fixed"]
+    assert all(r[3] == "0" for r in fixed)  # fixed padding: no prediction moves with the batch
+    assert all(float(r[4]) < 1e-3 for r in fixed)  # only the pinv init's batch-wide scale couples a batch

@@ -1,0 +1,68 @@
+"""How much a fine-tuned model's dev predictions depend on the batch they are predicted in.
+
+Predicts a GLUE dev split with the weights of one finished `glue` run at several eval batch sizes, with batches
+padded to their longest example ("longest", what GLUE fine-tuning did for every attention before 2026-11-23) and
+to --max-seq-len ("fixed", what it does now for attention whose outputs depend on the amount of padding), and
+prints one table: the dev metrics and how many predictions differ from those at batch size 1.
+
+    python bench/glue_batch_dependence.py --model-dir MODEL --run SST-2-0-0.001-32-2 --task SST-2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+from nystromformer.checkpoint import load as load_checkpoint  # noqa: E402
+from nystromformer.config import load_config  # noqa: E402
+from nystromformer.glue.encoding import EncodedDataset, PadCollator  # noqa: E402
+from nystromformer.glue.finetune import Runner  # noqa: E402
+from nystromformer.glue.metrics import split_metrics  # noqa: E402
+from nystromformer.glue.tasks import get_task, read_split  # noqa: E402
+from nystromformer.model import NystromformerForSequenceClassification  # noqa: E402
+from nystromformer.tokenizer import load_model_tokenizer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--run", required=True, help="the run's folder name under model_checkpoints/glue/")
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--batch-sizes", default="1,16,64,1000")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    cfg = load_config(args.model_dir)
+    task = get_task(args.task)
+    tokenizer = load_model_tokenizer(cfg)
+    state = load_checkpoint(cfg.checkpoint_dir / "glue" / args.run / "best.model")
+    model = NystromformerForSequenceClassification(cfg.model, task.num_labels)
+    model.load_state_dict(state["model_state_dict"])
+    runner = Runner(model, torch.device(args.device), False)
+    split = next(iter(task.dev))  # the first (MNLI: matched)
+    examples = read_split(cfg.glue_dir, task, split).examples
+    max_seq_len = cfg.model.max_seq_len
+    data = EncodedDataset(examples, tokenizer, max_seq_len, cfg.model.num_sen_type > 1)
+    labels = [e.label for e in examples]
+    print(f"# {task.name} {split} ({len(examples)} examples), {cfg.model.attn_type} with "
+          f"{cfg.model.num_landmarks} landmarks, init {cfg.model.inv_coeff_init_option}, max_seq_len {max_seq_len}")
+    print("| padding | eval batch size | dev metrics | predictions differing from batch size 1 | max abs output change |")
+    print("|---|---|---|---|---|")
+    for padding, pad_to in (("longest", None), ("fixed", max_seq_len)):
+        collate = PadCollator(tokenizer.pad_token_id, task.is_regression, pad_to=pad_to)
+        first = None
+        for size in [int(s) for s in args.batch_sizes.split(",")]:
+            outputs = runner.predict(DataLoader(data, batch_size=size, collate_fn=collate))
+            predictions = outputs if task.is_regression else outputs.argmax(-1)
+            first = (outputs, predictions) if first is None else first
+            metrics = ", ".join(f"{k} {v:.4f}" for k, v in split_metrics(task.name, predictions, labels).items())
+            differing = ("n/a" if task.is_regression else str(int((predictions != first[1]).sum())))
+            print(f"| {padding} | {size} | {metrics} | {differing} | {np.abs(outputs - first[0]).max():.2e} |")
+
+
+if __name__ == "__main__":
+    main()
