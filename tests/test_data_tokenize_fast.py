@@ -17,7 +17,7 @@ def roberta():
 
 
 def library_ids(tokenizer, text):
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def random_text(rng: random.Random, length: int) -> str:
@@ -56,11 +56,14 @@ def test_word_cache_matches_on_real_wikipedia_text(roberta, shared_dir, tmp_path
     assert [ids.tolist() for ids in encoder.encode(docs)] == [library_ids(roberta, d) for d in docs]
 
 
-def test_documents_with_special_token_text_go_through_the_library(roberta):
+def test_text_that_spells_a_special_token_is_encoded_as_text_not_as_the_special_id(roberta):
+    # A literal </s> would be a document boundary, <pad> masked out of attention, <mask> a position to fill.
     doc = "The <mask> sat on </s> the <s>mat<pad> and <unk>."
     (ids,) = DocumentEncoder(roberta).encode([doc])
     assert ids.tolist() == library_ids(roberta, doc)
-    assert roberta.mask_token_id in ids.tolist()
+    assert not set(ids.tolist()) & set(roberta.all_special_ids)
+    assert roberta.decode(ids.tolist()) == doc
+    assert roberta("<mask>", add_special_tokens=False)["input_ids"] == [roberta.mask_token_id]  # caller's unchanged
 
 
 def test_a_full_cache_restarts_without_changing_ids(roberta, monkeypatch):

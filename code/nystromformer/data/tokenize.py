@@ -108,8 +108,14 @@ class DocumentEncoder:
     own ids, the Rust backend otherwise."""
 
     def __init__(self, tokenizer, allow_word_cache: Optional[bool] = None):
+        from tokenizers import Tokenizer
         self.tokenizer = tokenizer
-        self.backend = tokenizer.backend_tokenizer
+        # Corpus text that spells a special token ("<pad>", "</s>" in an article about markup) is text: encoded as
+        # its characters, never as the special id, which would be a document boundary (</s>), masked out of
+        # attention (<pad>) or a mask the model is asked to fill (<mask>). As fairseq's RoBERTa preprocessing did;
+        # tokenizer(text) would not (split_special_tokens=True does). A copy: the caller's tokenizer is unchanged.
+        self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self.backend.encode_special_tokens = True
         self.word_cache = None
         if allow_word_cache is None:  # NYSTROMFORMER_NO_WORD_CACHE=1 forces the Rust backend (for comparisons)
             allow_word_cache = os.environ.get("NYSTROMFORMER_NO_WORD_CACHE", "0") in ("", "0")
