@@ -244,7 +244,7 @@ def test_a_folder_with_an_earlier_run_but_no_readable_cp_is_refused_and_left_as_
             "weights only": "cp-0000.cp: not a resumable checkpoint (no optimizer_state_dict, scheduler_state_dict, "
                             "scaler_state_dict, rng_state): a weights-only .model under a .cp name?",
             "deleted": ""}[damage]
-    assert says in capsys.readouterr().out
+    assert says in capsys.readouterr().err  # a warning: on stderr
 
 
 @pytest.mark.parametrize("last_logged", [2, 4], ids=["mid-epoch", "killed-writing-the-epoch-checkpoint"])
@@ -498,7 +498,7 @@ def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(
     torch.save(state, cp)
     rewrite_data(tmp_path, seed=1)
     assert run(folder) == 0
-    assert "has no record of its training data in this version's format" in capsys.readouterr().out  # said
+    assert "has no record of its training data in this version's format" in capsys.readouterr().err  # said
 
 
 def test_checkpoints_and_logs_get_the_mode_the_umask_gives_ordinary_files(tmp_path, data):
