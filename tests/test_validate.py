@@ -183,7 +183,7 @@ def test_validation_reports_the_commonest_token_bar_and_says_when_a_model_does_n
     import torch
 
     from nystromformer import atomic
-    from nystromformer.mlm import STREAM_DEV_MASK, generator, mask_tokens
+    from nystromformer.mlm import STREAM_DEV_MASK, dev_sample, generator, mask_tokens
     from nystromformer.shards import ShardedSequences
     cfg = load_config(trained)
     ps = cfg.pretraining_setting
@@ -191,7 +191,7 @@ def test_validation_reports_the_commonest_token_bar_and_says_when_a_model_does_n
     # The bar: always predicting the commonest token of the (fixed) dev masks, counted here from those masks
     dev = ShardedSequences(cfg.data_dir, "dev")
     counts = Counter()
-    for row in range(32):
+    for row in dev_sample(len(dev), 32, ps.seed).tolist():
         ids = torch.from_numpy(dev.rows(np.array([row])))
         _, labels = mask_tokens(ids, generator(ps.seed, STREAM_DEV_MASK, row), ps.mask_prob,
                                 dev.meta["special_tokens"], dev.meta["vocab_size"])

@@ -15,7 +15,7 @@ from .model import IGNORE_INDEX, masked_positions_of
 from .shards import ShardedSequences
 
 # Streams of the per-step seeds, so that training masks, dev masks and dropout never share draws.
-STREAM_ORDER, STREAM_MASK, STREAM_DEV_MASK, STREAM_DROPOUT = range(4)
+STREAM_ORDER, STREAM_MASK, STREAM_DEV_MASK, STREAM_DROPOUT, STREAM_DEV_SAMPLE = range(5)
 
 
 def derived_seed(seed: int, stream: int, index: int, rank: int = 0) -> int:
@@ -102,20 +102,22 @@ def to_device(tensors, device: torch.device):
 def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int, micro_batch: int,
              seed: int, mask_prob: float, device: torch.device, autocast_dtype: Optional[torch.dtype] = None,
              rank: int = 0, world_size: int = 1) -> Dict[str, float]:
-    """MLM loss and accuracy on the first ``num_sequences`` dev sequences with fixed masks (the same
-    masks for every checkpoint, so validation curves compare like with like), and ``commonest_token_accu``: the
+    """MLM loss and accuracy on ``num_sequences`` dev sequences (``dev_sample``: spread over the whole split) with
+    fixed masks (the same rows and masks for every checkpoint, so validation curves compare like with like), and
+    ``commonest_token_accu``: the
     accuracy of always predicting the commonest token of those masked positions, the bar a model must clear to
     have learnt more than one token (a stalled or collapsed model sits on it)."""
     special = data.meta["special_tokens"]
     vocab_size = data.meta["vocab_size"]
     num_sequences = min(num_sequences, len(data))
+    sample = dev_sample(len(data), num_sequences, seed)
     was_training = model.training
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, masked, correct
     label_counts = torch.zeros(vocab_size, dtype=torch.int64)  # of the masked positions, counted on the host
     starts = range(rank * micro_batch, num_sequences, micro_batch * world_size)
     for start in starts:
-        rows = np.arange(start, min(start + micro_batch, num_sequences))
+        rows = sample[start:start + micro_batch]
         ids = torch.from_numpy(data.rows(rows))
         # One mask stream per dev row: the masks do not depend on the micro-batch size or the rank count.
         masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special, vocab_size)
@@ -137,6 +139,16 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
     return {"loss": loss_sum / max(masked, 1), "mlm_accu": correct / max(masked, 1),
             "commonest_token_accu": int(label_counts.max()) / max(masked, 1),
             "num_sequences": num_sequences, "num_masked": int(masked)}
+
+
+def dev_sample(num_rows: int, num_sequences: int, seed: int) -> np.ndarray:
+    """The dev rows an evaluation uses: all of them, or a seeded random ``num_sequences`` of them (in row order,
+    the same for every checkpoint). Not the first rows: the dev split holds its datasets one after another
+    (wiki first in the Makefile's mixture), so a prefix would measure one corpus only."""
+    if num_sequences >= num_rows:
+        return np.arange(num_rows)
+    rng = np.random.default_rng(derived_seed(seed, STREAM_DEV_SAMPLE, 0))
+    return np.sort(rng.choice(num_rows, size=num_sequences, replace=False))
 
 
 def accuracy_note(metrics: Dict[str, float]) -> str:
