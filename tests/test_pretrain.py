@@ -685,6 +685,18 @@ def test_a_dev_split_smaller_than_the_dev_batches_asked_for_is_evaluated_whole(t
     assert evaluate(model, dev, 100 * len(dev), 8, 0, 0.15, torch.device("cpu")) == whole
 
 
+def test_dev_evaluation_of_part_of_the_split_takes_seeded_rows_from_all_of_it_not_its_first_rows():
+    # The dev split holds its datasets one after another (wiki first): a prefix would measure one corpus only.
+    from nystromformer.mlm import dev_sample
+    rows = dev_sample(10_000, 2_000, seed=0)
+    assert len(set(rows.tolist())) == 2_000 and (np.diff(rows) > 0).all()  # distinct, in row order
+    quarters = np.bincount(rows // 2_500, minlength=4)
+    assert (abs(quarters - 500) < 75).all(), quarters  # ~a quarter from each quarter of the split
+    assert np.array_equal(rows, dev_sample(10_000, 2_000, seed=0))  # the same rows for every checkpoint
+    assert not np.array_equal(rows, dev_sample(10_000, 2_000, seed=1))
+    assert np.array_equal(dev_sample(300, 2_000, seed=0), np.arange(300))  # all of a smaller split
+
+
 def test_a_second_run_on_a_busy_model_folder_is_refused_and_leaves_the_log_alone(tmp_path, data):
     folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 2000, "epoch": 1})
     proc = start_pretraining(folder)
@@ -937,6 +949,33 @@ def test_the_rate_rises_linearly_over_the_warm_up_then_falls_linearly(tmp_path):
     assert rates[0] == pytest.approx(1 / 25) and rates[1] == pytest.approx(1.0)
     falls = [a - b for a, b in zip(rates[1:], rates[2:])]
     assert falls == pytest.approx([falls[0]] * len(falls)) and falls[0] > 0
+
+
+@pytest.mark.parametrize("warmup", [0.2, 0.1])  # the peak at step 2, or at step 1 (a one-step warm-up)
+def test_adams_beta1_cycles_against_the_rate_as_the_papers_schedule_or_stays_at_point_nine(warmup):
+    # The authors' OneCycleLR kept torch's default momentum cycling: beta1 0.95 -> 0.85 at the peak -> 0.95.
+    from nystromformer.pretrain import build_optimizer, build_scheduler
+    for cycle in (True, False):
+        cfg = tiny_config()
+        cfg["pretraining_setting"].update(learning_rate=1.0, warmup=warmup, epoch=1, batches_per_epoch=10,
+                                          cycle_momentum=cycle)
+        cfg = config_from_dict(cfg)
+        optimizer = build_optimizer(torch.nn.Linear(1, 1), cfg, torch.device("cpu"))
+        scheduler = build_scheduler(optimizer, cfg)
+        rates, beta1 = [], []
+        for _ in range(10):
+            rates.append(scheduler.get_last_lr()[0])
+            beta1.append(optimizer.param_groups[0]["betas"][0])
+            optimizer.step()
+            scheduler.step()
+        peak = rates.index(max(rates))
+        assert peak == round(warmup * 10) - 1 if warmup > 0.1 else peak == 0
+        if cycle:
+            assert beta1[peak] == pytest.approx(0.85) and beta1[-1] > beta1[peak] and beta1[0] >= beta1[peak]
+            # beta1 moves against the rate: up where it falls, in straight lines
+            assert all((b2 - b1) * (r2 - r1) <= 0 for b1, b2, r1, r2 in zip(beta1, beta1[1:], rates, rates[1:]))
+        else:
+            assert beta1 == [0.9] * 10
 
 
 def test_max_grad_norm_clips_every_step(tmp_path, data, monkeypatch):

@@ -142,6 +142,9 @@ class PretrainingConfig:
     weight_decay: float = 0.01
     adam_eps: float = 1e-6
     max_grad_norm: Optional[float] = None
+    # The paper's OneCycleLR cycles Adam's beta1 against the learning rate (torch's default: 0.95 → 0.85 at the
+    # peak → 0.95); false holds it at 0.9.
+    cycle_momentum: bool = True
     seed: int = 0
     # How many epoch-end .cp files (weights + optimizer state, ~3x the weights) to keep; null keeps all, as the
     # paper. Every cp-NNNN.model (weights only) is kept regardless.

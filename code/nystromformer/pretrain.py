@@ -173,21 +173,26 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
 
 class _OneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
     """OneCycleLR that accepts a warm-up of exactly one step, where torch divides by the warm-up phase's zero
-    length: that step is the end of the warm-up, at the peak rate. Its state dict is OneCycleLR's."""
+    length: that step is the end of the warm-up, at the peak rate (and, cycling, the lowest beta1). Its state dict
+    is OneCycleLR's."""
 
     def get_lr(self):
         if self.last_epoch == 0 and self._schedule_phases[0]["end_step"] == 0:
+            for group in self.optimizer.param_groups:
+                if self.cycle_momentum:
+                    group["betas"] = (group["base_momentum"], *group["betas"][1:])
             return [group["max_lr"] for group in self.optimizer.param_groups]
         return super().get_lr()
 
 
 def build_scheduler(optimizer, cfg: Config):
-    # The paper's OneCycle schedule: linear warm-up over `warmup` of all steps, then linear decay.
-    # Momentum cycling is off: with Adam it would rewrite beta1.
+    # The paper's OneCycle schedule: linear warm-up over `warmup` of all steps, then linear decay; with torch's
+    # default momentum cycling, which for Adam moves beta1 from 0.95 to 0.85 at the peak and back (the authors'
+    # run_pretrain.py left it on).
     ps = cfg.pretraining_setting
     return _OneCycleLR(
         optimizer, max_lr=ps.learning_rate, total_steps=ps.epoch * ps.batches_per_epoch, pct_start=ps.warmup,
-        anneal_strategy="linear", cycle_momentum=False)
+        anneal_strategy="linear", cycle_momentum=ps.cycle_momentum)
 
 
 def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[int] = None,
