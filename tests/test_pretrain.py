@@ -484,6 +484,23 @@ def test_the_same_data_rebuilt_with_the_tokenizer_elsewhere_resumes(tmp_path, un
     assert losses(folder) == uninterrupted[0]
 
 
+def test_a_checkpoint_from_before_a_setting_existed_resumes_only_under_the_value_it_was_trained_with(tmp_path, data):
+    # cycle_momentum came with a new default (true); older checkpoints were trained holding beta1 at 0.9
+    folder = model_dir(tmp_path)
+    run(folder, stop_at_step=5)
+    cp = folder / "model" / "step-00000005.cp"
+    state = checkpoint.load(cp)
+    del state["config"]["pretraining_setting"]["cycle_momentum"]  # as written before the key existed
+    torch.save(state, cp)
+    with pytest.raises(ConfigError, match=r"pretraining_setting.cycle_momentum: is true but .*step-00000005.cp was "
+                                          r"trained with false"):
+        run(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["pretraining_setting"]["cycle_momentum"] = False
+    (folder / "config.json").write_text(json.dumps(config))
+    assert run(folder) == 0
+
+
 @pytest.mark.parametrize("record", [None, {"meta.json": "0" * 64, "train.json": "0" * 64, "train-*.npy": "0" * 64}],
                          ids=["none", "older format"])
 def test_a_checkpoint_without_a_record_of_its_data_in_this_format_still_resumes(tmp_path, data, record, capsys):

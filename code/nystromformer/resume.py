@@ -38,11 +38,17 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# Keys that may change between a run and its resumption: they do not change what is computed.
+# Keys that may change between a run and its resumption: they do not change what is computed (inst_per_gpu: for
+# Nyström slightly, through the pinv init's batch-wide scale; allowed so that a run can move to a smaller GPU).
 RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
     "gpu_setting": {"inst_per_gpu", "compile"},
+}
+# Keys added since checkpoints were first written, with the value a checkpoint that does not record them was
+# trained with: such a checkpoint resumes only under that value (a new default must not change a run midway).
+LEGACY_VALUES = {
+    "pretraining_setting": {"cycle_momentum": False},
 }
 
 
@@ -52,7 +58,9 @@ def config_differences(saved: Optional[dict], cfg: Config, keys: dict) -> List[t
     current = cfg.to_dict()
     out = []
     for section, names in keys.items():
-        for key, old in (saved or {}).get(section, {}).items():
+        recorded = (saved or {}).get(section, {})
+        legacy = {k: v for k, v in LEGACY_VALUES.get(section, {}).items() if saved and k not in recorded}
+        for key, old in {**recorded, **legacy}.items():
             if (key in names) if names is not None else (key not in RESUME_MAY_CHANGE[section]):
                 new = current[section].get(key)
                 if old != new:
