@@ -134,15 +134,16 @@ def write_checkpoint(tmp_path, model, name="m", **config_extra):
     return folder
 
 
-def test_export_loads_with_from_pretrained_and_gives_our_logits(tmp_path):
-    model = ours(num_landmarks=8, conv_kernel_size=5)
+@pytest.mark.parametrize("hidden_act, hf_act", [("gelu_tanh", "gelu_new"), ("gelu", "gelu")])
+def test_export_loads_with_from_pretrained_and_gives_our_logits(tmp_path, hidden_act, hf_act):
+    model = ours(num_landmarks=8, conv_kernel_size=5, hidden_act=hidden_act)
     folder = write_checkpoint(tmp_path, model)
     logs = []
     out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     assert any("no tokenizer found" in line for line in logs)
     hf = transformers.AutoModelForMaskedLM.from_pretrained(str(out)).eval()
-    assert type(hf).__name__ == "NystromformerForMaskedLM"
+    assert type(hf).__name__ == "NystromformerForMaskedLM" and hf.config.hidden_act == hf_act
     ids = token_ids()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model.logits(ids), atol=ATOL, rtol=0)
@@ -201,11 +202,16 @@ def load_imported(model_dir):
     return model.eval()
 
 
-def test_import_of_a_transformers_model_gives_its_logits(tmp_path):
-    hf, src = hf_nystromformer(tmp_path)
-    import_hf(src, tmp_path / "ours", log=lambda s: None)
+@pytest.mark.parametrize("hf_act, ours", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"),
+                                          ("gelu_pytorch_tanh", "gelu_tanh")])
+def test_import_of_a_transformers_model_gives_its_logits(tmp_path, hf_act, ours):
+    # The released uw-madison checkpoints say gelu_new: the authors' tanh GELU, ours as hidden_act gelu_tanh
+    hf, src = hf_nystromformer(tmp_path, hidden_act=hf_act)
+    said = []
+    import_hf(src, tmp_path / "ours", log=said.append)
+    assert not [line for line in said if line.startswith("warning")]
     model = load_imported(tmp_path / "ours")
-    assert model.config.num_sen_type == 2 and model.config.num_landmarks == 8
+    assert model.config.num_sen_type == 2 and model.config.num_landmarks == 8 and model.config.hidden_act == ours
     ids = token_ids()
     types = torch.randint(0, 2, ids.shape)
     with torch.no_grad():

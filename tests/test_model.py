@@ -172,14 +172,43 @@ def test_an_embedding_narrower_than_the_transformer_is_projected_up_and_trained(
     assert model.mlm_head.dense.weight.shape == (16, 32)
 
 
-def test_weights_start_as_bert_does_normal_002_matrices_zero_biases_unit_layer_norms():
+@pytest.mark.parametrize("scheme", ["paper", "bert"])
+def test_weights_start_as_the_authors_code_or_as_bert_does(scheme):
+    # "paper": N(0, 0.02) embeddings, PyTorch's default uniform init for linear layers and the MLM bias (the
+    # authors' code); "bert": N(0, 0.02) matrices and zero biases. Unit LayerNorms in both.
     torch.manual_seed(0)
-    model = NystromformerForMaskedLM(config_from_dict(tiny_config(transformer_dim=64, num_head=8,
-                                                                  embedding_dim=64, vocab_size=4000)).model)
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config(transformer_dim=64, num_head=8, embedding_dim=64,
+                                                                  vocab_size=4000, weight_init=scheme)).model)
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and module.bias is not None:
-            assert not module.bias.any(), name
+        if isinstance(module, torch.nn.Linear):
+            bound = module.in_features ** -0.5
+            if scheme == "paper":  # uniform in +-1/sqrt(fan_in): std bound/sqrt(3)
+                assert abs(module.weight.std().item() / (bound / 3 ** 0.5) - 1) < 0.1, name
+                assert module.weight.abs().max() <= bound and module.bias.abs().max() <= bound, name
+                assert module.bias.any(), name
+            else:
+                assert abs(module.weight.std().item() / 0.02 - 1) < 0.1 and not module.bias.any(), name
         if isinstance(module, torch.nn.LayerNorm):
             assert (module.weight == 1).all() and not module.bias.any(), name
     word = model.encoder.embeddings.word_embeddings.weight
     assert abs(word.std().item() - 0.02) < 0.001 and abs(word.mean().item()) < 0.001
+    bias = model.mlm_head.bias  # the authors' decoder was an nn.Linear(embedding_dim, vocab) with its bias
+    if scheme == "paper":
+        assert bias.abs().max() <= 64 ** -0.5 and abs(bias.std().item() / (64 ** -0.5 / 3 ** 0.5) - 1) < 0.1
+    else:
+        assert not bias.any()
+
+
+@pytest.mark.parametrize("hidden_act, approximate", [("gelu_tanh", "tanh"), ("gelu", "none")])
+def test_the_feed_forward_and_heads_use_the_configured_gelu(hidden_act, approximate):
+    # The authors' Approx_GeLU is the tanh form (transformers' "gelu_new"); "gelu" is the exact erf form.
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config(hidden_act=hidden_act)).model)
+    ffn = model.encoder.layers[0].ffn
+    x = torch.randn(2, 5, ffn.dense_in.in_features, dtype=torch.float64)
+    ffn.double()
+    expected = ffn.dense_out(torch.nn.functional.gelu(ffn.dense_in(x), approximate=approximate))
+    torch.testing.assert_close(ffn(x), expected, rtol=0, atol=0)
+    other = torch.nn.functional.gelu(ffn.dense_in(x), approximate="none" if approximate == "tanh" else "tanh")
+    assert not torch.allclose(ffn(x), ffn.dense_out(other), rtol=0, atol=1e-9)
+    assert model.mlm_head.act(x).equal(torch.nn.functional.gelu(x, approximate=approximate))

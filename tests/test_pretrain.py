@@ -484,19 +484,22 @@ def test_the_same_data_rebuilt_with_the_tokenizer_elsewhere_resumes(tmp_path, un
     assert losses(folder) == uninterrupted[0]
 
 
-def test_a_checkpoint_from_before_a_setting_existed_resumes_only_under_the_value_it_was_trained_with(tmp_path, data):
-    # cycle_momentum came with a new default (true); older checkpoints were trained holding beta1 at 0.9
+@pytest.mark.parametrize("section, key, old, new", [("pretraining_setting", "cycle_momentum", False, True),
+                                                   ("model", "hidden_act", "gelu", "gelu_tanh")])
+def test_a_checkpoint_from_before_a_setting_existed_resumes_only_under_the_value_it_was_trained_with(
+        tmp_path, data, section, key, old, new):
+    # These keys came with new defaults; older checkpoints were trained with the old behaviour.
     folder = model_dir(tmp_path)
     run(folder, stop_at_step=5)
     cp = folder / "model" / "step-00000005.cp"
     state = checkpoint.load(cp)
-    del state["config"]["pretraining_setting"]["cycle_momentum"]  # as written before the key existed
+    del state["config"][section][key]  # as written before the key existed
     torch.save(state, cp)
-    with pytest.raises(ConfigError, match=r"pretraining_setting.cycle_momentum: is true but .*step-00000005.cp was "
-                                          r"trained with false"):
+    with pytest.raises(ConfigError, match=rf"{section}.{key}: is {json.dumps(new)} but .*step-00000005.cp was "
+                                          rf"trained with {json.dumps(old)}"):
         run(folder)
     config = json.loads((folder / "config.json").read_text())
-    config["pretraining_setting"]["cycle_momentum"] = False
+    config[section][key] = old
     (folder / "config.json").write_text(json.dumps(config))
     assert run(folder) == 0
 
@@ -865,8 +868,9 @@ def test_every_setting_that_shapes_the_run_is_refused_on_resume_and_only_those_l
             else:
                 with pytest.raises(ConfigError, match=rf"{section}.{key}: is .* but cp-0000.cp was trained with"):
                     check_resumable_config(saved, cfg, "cp-0000.cp")
-    assert RESUME_MAY_CHANGE == {  # how the work is split and reported, never what is computed
-        "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
+    # how the work is split and reported, never what is computed (weight_init: only step 0, which a resume loads)
+    assert RESUME_MAY_CHANGE == {
+        "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
         "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
         "gpu_setting": {"inst_per_gpu", "compile"}}
 

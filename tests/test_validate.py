@@ -67,7 +67,8 @@ def test_dev_masks_do_not_depend_on_the_micro_batch_size(trained):
     cfg.gpu_setting.inst_per_gpu = 5
     other = validate(cfg, epochs=[1], num_sequences=24)[0]
     assert small["num_masked"] == other["num_masked"]
-    assert small["loss"] == pytest.approx(other["loss"], abs=1e-6)
+    # (the loss moves a little: Nyström's "original" pinv init scales by a maximum over the forward batch)
+    assert small["loss"] == pytest.approx(other["loss"], rel=1e-5)
 
 
 def test_fewer_than_one_dev_sequence_is_refused_and_nothing_is_logged(tmp_path):

@@ -45,6 +45,8 @@ ATTENTION_TYPES = ("softmax", "nystrom", "linformer", "performer", "linear", "re
 # keys and values of all heads ("kv"). Linformer's "layerwise" sharing (across layers) is not supported.
 LINFORMER_SHARING = ("none", "headwise", "kv")
 PINV_INITS = ("original", "exact")
+HIDDEN_ACTS = ("gelu_tanh", "gelu")
+WEIGHT_INITS = ("paper", "bert")
 
 
 @dataclass
@@ -67,6 +69,13 @@ class ModelConfig:
     # whole batch); "exact" is 1/(||A||_1 ||A||_inf) per matrix, the guess the convergence proof uses.
     inv_coeff_init_option: str = "original"
     pinv_iterations: int = 6
+    # GELU of the feed-forward and MLM head: "gelu_tanh" is the authors' Approx_GeLU (transformers' "gelu_new"),
+    # "gelu" the exact erf form (BERT's; what this pipeline used before 2026-11-23).
+    hidden_act: str = "gelu_tanh"
+    # Initial weights: "paper" as the authors' code (N(0, 0.02) embeddings, PyTorch's default uniform init for
+    # every linear layer and the MLM bias); "bert" N(0, 0.02) weights and zero biases everywhere (BERT/RoBERTa's,
+    # this pipeline's before 2026-11-23).
+    weight_init: str = "paper"
     # Efficient-attention baselines (docs/attention.md); each key is read only by the variants named.
     linformer_k: int = 256                    # linformer, linformer_revisited: projected length k
     linformer_sharing: str = "none"           # linformer, linformer_revisited: one of LINFORMER_SHARING
@@ -107,6 +116,10 @@ class ModelConfig:
         _check(self.inv_coeff_init_option in PINV_INITS, f"{prefix}.inv_coeff_init_option",
                f"must be one of {', '.join(PINV_INITS)}; got {self.inv_coeff_init_option!r}")
         _check(self.pinv_iterations >= 1, f"{prefix}.pinv_iterations", f"must be >= 1, got {self.pinv_iterations}")
+        _check(self.hidden_act in HIDDEN_ACTS, f"{prefix}.hidden_act",
+               f"must be one of {', '.join(HIDDEN_ACTS)}; got {self.hidden_act!r}")
+        _check(self.weight_init in WEIGHT_INITS, f"{prefix}.weight_init",
+               f"must be one of {', '.join(WEIGHT_INITS)}; got {self.weight_init!r}")
         if self.conv_kernel_size is not None:
             _check(self.conv_kernel_size >= 1 and self.conv_kernel_size % 2 == 1, f"{prefix}.conv_kernel_size",
                    f"must be a positive odd number (the conv keeps the length), got {self.conv_kernel_size}")

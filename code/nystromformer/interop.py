@@ -146,7 +146,7 @@ def hf_config_kwargs(mc: ModelConfig, special_tokens: Optional[Dict[str, int]] =
     return dict(
         vocab_size=mc.vocab_size, hidden_size=mc.transformer_dim, num_hidden_layers=mc.num_layers,
         num_attention_heads=mc.num_head, intermediate_size=mc.transformer_hidden_dim,
-        hidden_act="gelu",  # exact erf GELU, as our F.gelu
+        hidden_act=HF_ACTIVATION[mc.hidden_act],
         hidden_dropout_prob=mc.dropout_prob, attention_probs_dropout_prob=mc.dropout_prob,  # (unused there)
         # transformers' table has max_position_embeddings + 2 rows, positions 2..n+1: as ours.
         max_position_embeddings=mc.max_seq_len, type_vocab_size=mc.num_sen_type,
@@ -424,13 +424,20 @@ def _transformers_defaults(model_type) -> dict:
         return {}
 
 
-def _check_activation(hf_cfg: dict, log) -> None:
+# Our model.hidden_act as transformers names it, and transformers' names for the two GELUs (gelu_new,
+# gelu_pytorch_tanh and gelu_fast all compute the tanh approximation).
+HF_ACTIVATION = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+FROM_HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                      "gelu": "gelu"}
+
+
+def _hidden_act(hf_cfg: dict) -> str:
+    """Our model.hidden_act for a transformers config's hidden_act."""
     act = hf_cfg.get("hidden_act", "gelu")
-    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        log(f"warning: hidden_act {act!r} is the tanh approximation of GELU; our model uses the exact erf GELU "
-            f"(outputs differ by ~1e-3 relative; fine as an initialisation)")
-    elif act != "gelu":
-        raise InteropError(f"hidden_act: {act!r} has no equivalent here (our model uses the exact GELU)")
+    if act not in FROM_HF_ACTIVATION:
+        raise InteropError(f"hidden_act: {act!r} has no equivalent here (our models have the exact GELU or its "
+                           f"tanh approximation: {', '.join(sorted(FROM_HF_ACTIVATION))})")
+    return FROM_HF_ACTIVATION[act]
 
 
 def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match_transformers: bool = False,
@@ -438,7 +445,7 @@ def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match
     """Our ModelConfig for a transformers NystromformerConfig dict. ``base`` supplies our options without a
     transformers counterpart (mixed precision, checkpointing...)."""
     base = base or ModelConfig()
-    _check_activation(hf_cfg, log)
+    hidden_act = _hidden_act(hf_cfg)
     hidden, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
     max_len = hf_cfg["max_position_embeddings"]
     m, seg = hf_cfg.get("num_landmarks", 64), hf_cfg.get("segment_means_seq_len", 64)
@@ -472,16 +479,16 @@ def model_config_from_hf(hf_cfg: dict, base: Optional[ModelConfig] = None, match
         conv_kernel_size=kernel, inv_coeff_init_option="exact" if hf_cfg.get("inv_coeff_init_option") else "original",
         pinv_iterations=HF_PINV_ITERATIONS, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
         pad_token_id=hf_cfg.get("pad_token_id", 1) if hf_cfg.get("pad_token_id") is not None else 1,
-        pre_layer_norm=False)  # transformers' Nystromformer is post-LayerNorm
+        hidden_act=hidden_act, pre_layer_norm=False)  # transformers' Nystromformer is post-LayerNorm
 
 
 def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[str], None] = say) -> ModelConfig:
     """Our ModelConfig for RoBERTa weights: dimensions from RoBERTa; attention type, landmarks, conv and
     max_seq_len from ``base`` (our config.json / flags)."""
-    _check_activation(hf_cfg, log)
+    hidden_act = _hidden_act(hf_cfg)
     hidden, heads = hf_cfg["hidden_size"], hf_cfg["num_attention_heads"]
     return dataclasses.replace(
-        base, vocab_size=hf_cfg["vocab_size"], num_sen_type=hf_cfg.get("type_vocab_size", 1),
+        base, vocab_size=hf_cfg["vocab_size"], num_sen_type=hf_cfg.get("type_vocab_size", 1), hidden_act=hidden_act,
         embedding_dim=hidden, transformer_dim=hidden, transformer_hidden_dim=hf_cfg["intermediate_size"],
         num_layers=hf_cfg["num_hidden_layers"], dropout_prob=hf_cfg.get("hidden_dropout_prob", 0.1),
         num_head=heads, head_dim=hidden // heads, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),

@@ -8,8 +8,10 @@ MLM head tied to the word embeddings, and a first-token sequence head for fine-t
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -75,15 +77,21 @@ class MultiHeadAttention(nn.Module):
         return self.output(out.transpose(1, 2).reshape(b, n, self.num_head * self.head_dim))
 
 
+def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model.hidden_act``: the tanh approximation of GELU (the authors') or the exact erf GELU."""
+    return functools.partial(F.gelu, approximate="tanh" if cfg.hidden_act == "gelu_tanh" else "none")
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.dense_in = nn.Linear(cfg.transformer_dim, cfg.transformer_hidden_dim)
         self.dense_out = nn.Linear(cfg.transformer_hidden_dim, cfg.transformer_dim)
+        self.act = activation(cfg)
         self.grad_checkpointing = cfg.gelu_grad_checkpointing
 
     def _hidden(self, x):
-        return F.gelu(self.dense_in(x))
+        return self.act(self.dense_in(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grad_checkpointing and self.training:
@@ -134,10 +142,15 @@ class Encoder(nn.Module):
         return x if self.final_norm is None else self.final_norm(x)
 
 
-def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """BERT/RoBERTa initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+def init_weights(module: nn.Module, scheme: str = "bert", std: float = 0.02) -> None:
+    """``model.weight_init``. "bert" (BERT/RoBERTa): N(0, 0.02) weights, zero biases, unit LayerNorm. "paper" (the
+    authors' code): N(0, 0.02) embeddings, PyTorch's default init for linear layers (uniform weights and biases),
+    unit LayerNorm."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
+            if scheme == "paper":
+                m.reset_parameters()
+                continue
             nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
@@ -162,10 +175,20 @@ class MLMHead(nn.Module):
         self.dense = nn.Linear(cfg.transformer_dim, cfg.embedding_dim)
         self.norm = nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.act = activation(cfg)
+
+    def reset_bias(self, scheme: str) -> None:
+        """The decoder's bias: zero ("bert"), or as the authors' nn.Linear decoder had it ("paper": uniform in
+        ±1/sqrt(embedding_dim), PyTorch's default)."""
+        if scheme == "paper":
+            bound = 1 / math.sqrt(self.dense.out_features)  # the decoder's fan-in: embedding_dim
+            nn.init.uniform_(self.bias, -bound, bound)
+        else:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, decoder_weight: torch.Tensor) -> torch.Tensor:
         # The decoder is tied to the word embeddings, passed in rather than registered twice.
-        x = self.norm(F.gelu(self.dense(x)))
+        x = self.norm(self.act(self.dense(x)))
         return F.linear(x, decoder_weight, self.bias)
 
 
@@ -175,7 +198,8 @@ class NystromformerForMaskedLM(nn.Module):
         self.config = cfg
         self.encoder = Encoder(cfg)
         self.mlm_head = MLMHead(cfg)
-        init_weights(self)
+        init_weights(self, cfg.weight_init)
+        self.mlm_head.reset_bias(cfg.weight_init)
 
     def logits(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
         """Vocabulary logits at every position (for inspection and fill-mask)."""
@@ -214,10 +238,11 @@ class ClassificationHead(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout_prob)
         self.dense = nn.Linear(cfg.transformer_dim, cfg.transformer_dim)
         self.out_proj = nn.Linear(cfg.transformer_dim, num_labels)
+        self.act = activation(cfg)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.dropout(hidden[:, 0])
-        x = self.dropout(F.gelu(self.dense(x)))
+        x = self.dropout(self.act(self.dense(x)))
         return self.out_proj(x)
 
 
@@ -230,7 +255,7 @@ class NystromformerForSequenceClassification(nn.Module):
         self.num_labels = num_labels
         self.encoder = Encoder(cfg)
         self.classifier = ClassificationHead(cfg, num_labels)
-        init_weights(self)
+        init_weights(self, cfg.weight_init)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None) -> torch.Tensor:
         logits = self.classifier(self.encoder(input_ids, attention_mask, token_type_ids))

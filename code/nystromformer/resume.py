@@ -41,13 +41,14 @@ def set_rng_state(state: dict) -> None:
 # Keys that may change between a run and its resumption: they do not change what is computed (inst_per_gpu: for
 # Nyström slightly, through the pinv init's batch-wide scale; allowed so that a run can move to a smaller GPU).
 RESUME_MAY_CHANGE = {
-    "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision"},
+    "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
     "gpu_setting": {"inst_per_gpu", "compile"},
 }
 # Keys added since checkpoints were first written, with the value a checkpoint that does not record them was
 # trained with: such a checkpoint resumes only under that value (a new default must not change a run midway).
 LEGACY_VALUES = {
+    "model": {"hidden_act": "gelu"},
     "pretraining_setting": {"cycle_momentum": False},
 }
 
