@@ -218,6 +218,17 @@ def test_a_folder_built_with_runs_of_its_own_sequences_resumes_only_where_that_i
             build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
 
 
+def test_a_folder_built_when_special_token_text_became_special_ids_is_not_resumed(partitions, trained_tokenizer,
+                                                                                  tmp_path):
+    # Its shards encode "</s>" in the text as a document boundary: new shards beside them would not.
+    build(partitions, trained_tokenizer, tmp_path, seq_len=16)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["special_token_text"]           # as such a build wrote it
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(BuildError, match=r"other settings \(special_token_text differ\)"):
+        build(partitions, trained_tokenizer, tmp_path, seq_len=16)
+
+
 def test_sampling_ratio_keeps_a_seeded_subset_of_a_datasets_sequences(partitions, trained_tokenizer, tmp_path):
     full = build(partitions, trained_tokenizer, tmp_path / "full", datasets=("realnews",), dev_fraction=0.0)
     third = build(partitions, trained_tokenizer, tmp_path / "third", datasets=("realnews:0.333",), dev_fraction=0.0)

@@ -233,6 +233,17 @@ def test_rerunning_preprocess_on_unchanged_input_touches_no_file(tmp_path):
     assert file_states(tmp_path / "wiki") == before
 
 
+def test_a_folder_written_by_an_older_reader_is_redone_by_a_rerun(tmp_path):
+    # Readers change what they make of the same input (2026-11-23: wiki text unescaped): the old text must go.
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")
+    stats_path = tmp_path / "wiki" / "stats.json"
+    stats = json.loads(stats_path.read_text())
+    del stats["reader_version"]  # as written before it was recorded
+    stats_path.write_text(json.dumps(stats))
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")
+    assert json.loads(stats_path.read_text())["reader_version"] >= 2
+
+
 def test_new_input_rewrites_the_folder_but_unchanged_partitions_keep_their_mtime(tmp_path):
     raw = tmp_path / "raw"
     shutil.copytree(FIXTURES / "stories", raw / "stories")

@@ -325,7 +325,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     tok = load_tokenizer(tokenizer)
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
-                     dev_run_unit=DEV_RUN_UNIT, seed=seed, shard_size=shard_size)
+                     dev_run_unit=DEV_RUN_UNIT, special_token_text="as text", seed=seed, shard_size=shard_size)
     _open_output(output, meta, tokenizer)
 
     pending = [t for t in tasks if not _finished(output, t)]
@@ -396,6 +396,8 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
         # Built before runs were measured in tokens: runs of dev_run of its own sequences (the same split as now
         # at seq_len 512, where a sequence holds 510 tokens), or per sequence with another draw (dev_run 1).
         old.setdefault("dev_run_unit", old.get("max_seq_len", 2) - 2 if old["dev_run"] > 1 else "per sequence")
+        # Built before corpus text spelling a special token was encoded as text (DocumentEncoder): as the id.
+        old.setdefault("special_token_text", "as the special id")
         changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
             changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")

@@ -33,6 +33,9 @@ from ..errors import UserError, first_undecodable_line
 from .readers import SkipLog
 
 log = logging.getLogger("nystromformer.data")
+# What the readers make of the same input; a folder written by another version is not up to date, so a rerun redoes
+# it. 2 (2026-11-23): wiki text HTML-unescaped and transclusion tags dropped; a file's byte-order mark dropped.
+READER_VERSION = 2
 
 PARTITION_GLOB = "part-*.txt"
 PARTITION_NAME = re.compile(r"part-\d{5,}\.txt")
@@ -253,7 +256,7 @@ def write_partitions(documents: Iterable[str], output: Path, dataset: str, skips
         _recover_leftovers(output)
         output = output.resolve()  # a restored .old may be a symlink (moved by a version that renamed links)
     settings = {"dataset": dataset, "inputs": inputs or [], "input_files": input_fingerprints(inputs),
-                "reader_options": reader_options or {}, "min_words": min_words,
+                "reader_options": reader_options or {}, "reader_version": READER_VERSION, "min_words": min_words,
                 "words_per_partition": words_per_partition}
     current = _up_to_date(output, settings)
     if current is not None:
