@@ -16,6 +16,7 @@ with ``<run> = <task>-<checkpoint>-<lr>-<bs>-<epochs>``, plus ``-seed<N>`` when 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -286,6 +287,37 @@ def check_max_seq_len(cfg, max_seq_len: Optional[int]) -> int:
     return max_seq_len
 
 
+@dataclass
+class TaskData:
+    """A task's examples and loaders, all read before any training (a bad file fails first)."""
+    train_examples: List[Example]
+    dev_examples: Dict[str, List[Example]]  # per dev split (MNLI has two)
+    train_loader: DataLoader
+    dev_loaders: Dict[str, DataLoader]
+    dev_labels: Dict[str, list]
+    skipped_rows: Dict[str, int]  # malformed rows left out, per split (kept in result.json)
+
+
+def load_task_data(cfg, task: Task, settings: FinetuneSettings, tokenizer, max_seq_len: int, log) -> TaskData:
+    check_task_folder(cfg, task)
+    skipped_rows: Dict[str, int] = {}
+    train_examples = subsample(_load_examples(cfg.glue_dir, task, "train", log, skipped_rows),
+                               settings.max_train_examples)
+    dev_examples = {split: subsample(_load_examples(cfg.glue_dir, task, split, log, skipped_rows),
+                                     settings.max_eval_examples)
+                    for split in task.dev}
+    collate = collator(cfg.model, tokenizer, task, max_seq_len)
+    with_token_types = cfg.model.num_sen_type > 1
+    encode = lambda examples: EncodedDataset(examples, tokenizer, max_seq_len, with_token_types)  # noqa: E731
+    set_seed(settings.seed)
+    train_loader = DataLoader(encode(train_examples), batch_size=settings.batch_size, shuffle=True,
+                              collate_fn=collate, generator=torch.Generator().manual_seed(settings.seed))
+    dev_loaders = {split: DataLoader(encode(ex), batch_size=settings.eval_batch_size, collate_fn=collate)
+                   for split, ex in dev_examples.items()}
+    dev_labels = {split: [e.label for e in ex] for split, ex in dev_examples.items()}
+    return TaskData(train_examples, dev_examples, train_loader, dev_loaders, dev_labels, skipped_rows)
+
+
 def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = say) -> dict:
     """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
 
@@ -303,44 +335,22 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     tokenizer = load_model_tokenizer(cfg)
     check_tokenizer_fits(cfg, tokenizer, log)
     max_seq_len = check_max_seq_len(cfg, settings.max_seq_len)
-
-    # Data: read everything first, so a bad file fails before any training.
-    glue_dir = cfg.glue_dir
-    check_task_folder(cfg, task)
-    skipped_rows: Dict[str, int] = {}
-    train_examples = subsample(_load_examples(glue_dir, task, "train", log, skipped_rows),
-                               settings.max_train_examples)
-    dev_examples = {split: subsample(_load_examples(glue_dir, task, split, log, skipped_rows),
-                                     settings.max_eval_examples)
-                    for split in task.dev}
-    with_token_types = cfg.model.num_sen_type > 1
-    collate = collator(cfg.model, tokenizer, task, max_seq_len)
-    encode = lambda examples: EncodedDataset(examples, tokenizer, max_seq_len, with_token_types)  # noqa: E731
-
-    set_seed(settings.seed)
-    train_loader = DataLoader(encode(train_examples), batch_size=settings.batch_size, shuffle=True,
-                              collate_fn=collate, generator=torch.Generator().manual_seed(settings.seed))
-    dev_loaders = {split: DataLoader(encode(ex), batch_size=settings.eval_batch_size, collate_fn=collate)
-                   for split, ex in dev_examples.items()}
-    dev_labels = {split: [e.label for e in ex] for split, ex in dev_examples.items()}
+    data = load_task_data(cfg, task, settings, tokenizer, max_seq_len, log)
 
     # Model: the pretrained encoder plus a fresh head. Longer inputs than pretraining tile the positions.
     model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(max_seq_len, cfg.model.max_seq_len))
     model = NystromformerForSequenceClassification(model_cfg, task.num_labels)
     load_pretrained_weights(model, pretrained, model_cfg.max_seq_len, log=log)
     runner = Runner(model, device, cfg.model.mixed_precision)
-
-    total_steps = settings.epochs * len(train_loader)
-    optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
-    scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
+    submit = functools.partial(_submit, runner, model, task, cfg.glue_dir, tokenizer, max_seq_len,
+                               cfg.model.num_sen_type > 1, settings, out_dir, log=log)
 
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
     previous = read_result(checkpoint_dir, settings)
-    if previous is not None and submission_to_redo(previous, glue_dir) and best_path.is_file():
+    if previous is not None and submission_to_redo(previous, cfg.glue_dir) and best_path.is_file():
         why = "failed" if previous.get("submission_errors") else "lacks a file whose test file is there now"
         log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
-        return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
-                       previous, log)
+        return submit(previous)
     stored = _stored_result(checkpoint_dir, settings)
     if stored is not None and previous is None:
         log(f"warning: replacing {out_dir}, a run made with other settings "
@@ -350,30 +360,56 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     if (out_dir / "result.json").exists():
         (out_dir / "result.json").unlink()
         atomic.fsync_dir(out_dir)
-    if list(dev_examples) == ["dev"]:
-        dev_counts = _count(len(dev_examples["dev"]), "dev example")
+
+    total_steps = settings.epochs * len(data.train_loader)
+    optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
+    scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
+    if list(data.dev_examples) == ["dev"]:
+        dev_counts = _count(len(data.dev_examples["dev"]), "dev example")
     else:
-        dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in dev_examples.items()) + " examples"
-    log(f"fine-tuning {pretrained} on {task.name}: {_count(len(train_examples), 'train example')}, {dev_counts}, "
-        f"{_count(total_steps, 'step')} on {device}")
-    baseline = majority_baseline(task, train_examples, dev_labels)
+        dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in data.dev_examples.items()) + " examples"
+    log(f"fine-tuning {pretrained} on {task.name}: {_count(len(data.train_examples), 'train example')}, "
+        f"{dev_counts}, {_count(total_steps, 'step')} on {device}")
+    baseline = majority_baseline(task, data.train_examples, data.dev_labels)
     if baseline is not None:
         log(f"{task.name}: always predicting the training set's commonest label scores {baseline:.4f} on dev")
 
+    history, best = train_and_evaluate(runner, task, data, optimizer, scheduler, settings, model_cfg, best_path,
+                                       log_file, log)
+    result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
+              "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
+              "history": history, "log": str(log_file), "best_weights": str(best_path),
+              "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows,
+              "submission": [], "submission_errors": [], "submission_missing": []}
+    if math.isnan(best["score"]):
+        # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
+        atomic.write_json(out_dir / "result.json", {**result, "diverged": True})
+        raise FineTuningDiverged(f"{task.name}: no epoch has a finite dev score: the model's outputs are NaN or "
+                                 f"infinite (a diverged pretraining checkpoint, or too high a learning rate: "
+                                 f"{settings.lr:g}); no submission written; results in {out_dir}")
+    log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
+    return submit(result)
+
+
+def train_and_evaluate(runner: Runner, task: Task, data: TaskData, optimizer, scheduler,
+                       settings: FinetuneSettings, model_cfg, best_path: Path, log_file: Path,
+                       log) -> Tuple[List[dict], dict]:
+    """The epochs: train, evaluate on dev, keep the best weights (best.model) and rewrite the log; returns the
+    history (one entry per epoch) and the best entry."""
     history: List[dict] = []
     best: Optional[dict] = None
     start = time.time()
     for epoch in range(1, settings.epochs + 1):  # 1-based: "epoch 3" = after three passes
-        bar = tqdm(train_loader, desc=f"{task.name} epoch {epoch}/{settings.epochs}", leave=False,
+        bar = tqdm(data.train_loader, desc=f"{task.name} epoch {epoch}/{settings.epochs}", leave=False,
                    disable=not settings.progress)
         train_loss = train_one_epoch(runner, bar, optimizer, scheduler)
-        metrics, one_class = evaluate(runner, task, dev_loaders, dev_labels)
+        metrics, one_class = evaluate(runner, task, data.dev_loaders, data.dev_labels)
         entry = {"epoch": epoch, "train_loss": train_loss, "dev": metrics,
                  "score": task_score(metrics), "lr": scheduler.get_last_lr()[0],
                  "elapsed_s": round(time.time() - start, 2)}
         if best is None or better_score(entry["score"], best["score"]):
             best = entry
-            atomic.torch_save(best_path, {"model_state_dict": model.state_dict(), "task": task.name,
+            atomic.torch_save(best_path, {"model_state_dict": runner.model.state_dict(), "task": task.name,
                                           "num_labels": task.num_labels, "epoch": epoch, "dev": metrics,
                                           "model_config": dataclasses.asdict(model_cfg),
                                           "settings": dataclasses.asdict(settings)})
@@ -386,21 +422,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         if one_class:
             log(f"warning: {task.name} epoch {epoch}: the model predicts one class for every {' and '.join(one_class)} "
                 f"example (a degenerate classifier: try another learning rate or more epochs)")
-
-    result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
-              "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
-              "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "majority_baseline_score": baseline, "malformed_rows_skipped": skipped_rows,
-              "submission": [], "submission_errors": [], "submission_missing": []}
-    if math.isnan(best["score"]):
-        # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
-        atomic.write_json(out_dir / "result.json", {**result, "diverged": True})
-        raise FineTuningDiverged(f"{task.name}: no epoch has a finite dev score: the model's outputs are NaN or "
-                                 f"infinite (a diverged pretraining checkpoint, or too high a learning rate: "
-                                 f"{settings.lr:g}); no submission written; results in {out_dir}")
-    log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
-    return _submit(runner, model, task, glue_dir, tokenizer, max_seq_len, with_token_types, settings, out_dir,
-                   result, log)
+    return history, best
 
 
 def train_one_epoch(runner: Runner, batches: tqdm, optimizer, scheduler) -> float:
