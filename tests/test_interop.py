@@ -692,6 +692,17 @@ def test_a_checkpoint_whose_recorded_settings_no_longer_validate_is_exported_wit
                for line in logs), logs
 
 
+def test_a_checkpoint_from_before_hidden_act_exports_the_exact_gelu_it_was_trained_with(tmp_path):
+    model = ours(num_landmarks=8, hidden_act="gelu")
+    folder = write_checkpoint(tmp_path, model)  # config.json: hidden_act "gelu", from the model
+    path = folder / "model" / "cp-0000.model"
+    saved = checkpoint.load(path)
+    saved["config"] = {"model": {k: v for k, v in dataclasses.asdict(model.config).items() if k != "hidden_act"}}
+    atomic.torch_save(path, saved)
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    assert json.loads((out / "config.json").read_text())["hidden_act"] == "gelu"
+
+
 def test_import_reads_an_existing_config_json_as_strictly_as_every_command(tmp_path, capsys):
     folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
     export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)

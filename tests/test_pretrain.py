@@ -329,6 +329,32 @@ def test_from_cp_warm_starts_a_longer_model_by_tiling_position_embeddings(tmp_pa
         run(shorter)
 
 
+def test_weights_trained_with_another_gelu_are_refused_by_from_cp_and_fine_tuning(tmp_path, data):
+    # Checkpoints from before hidden_act existed were trained with the exact GELU; loading them into a model with
+    # the new default would silently compute another function.
+    source = model_dir(tmp_path, "old", pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    assert run(source) == 0
+    path = source / "model" / "cp-0000.model"
+    saved = checkpoint.load(path)
+    del saved["config"]["model"]["hidden_act"]  # as written before the key existed
+    torch.save(saved, path)
+    warm = model_dir(tmp_path, "warm", from_cp="../old/model/cp-0000.model",
+                     pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 0})
+    with pytest.raises(checkpoint.CheckpointError, match=r"warm/config.json: .*cp-0000.model: was trained with "
+                                                         r"model.hidden_act 'gelu', but config.json's model has "
+                                                         r"'gelu_tanh'; set \"hidden_act\": \"gelu\""):
+        run(warm)
+    config = json.loads((warm / "config.json").read_text())
+    config["model"]["hidden_act"] = "gelu"
+    (warm / "config.json").write_text(json.dumps(config))
+    assert run(warm) == 0
+    # fine-tuning loads weights the same way
+    from nystromformer.model import NystromformerForSequenceClassification
+    classifier = NystromformerForSequenceClassification(load_config(source).model, 2)
+    with pytest.raises(checkpoint.CheckpointError, match="hidden_act"):
+        checkpoint.load_pretrained_weights(classifier, path, 32)
+
+
 def test_tiling_needs_a_whole_multiple_of_the_old_length():
     state = {checkpoint.POSITION_KEY: torch.zeros(130, 4)}
     with pytest.raises(checkpoint.CheckpointError, match="300 is not a multiple of the checkpoint's length 128"):

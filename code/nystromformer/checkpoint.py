@@ -19,6 +19,7 @@ import torch
 
 from . import atomic
 from .cli import say
+from .config import as_recorded
 from .errors import UserError
 from .model import POSITION_OFFSET
 
@@ -165,11 +166,26 @@ def extend_position_embeddings(state_dict: Dict[str, torch.Tensor], max_seq_len:
     return state_dict
 
 
+def _check_same_activation(obj: dict, model: torch.nn.Module, path) -> None:
+    """The GELU the checkpoint was trained with (recorded, or the old default when it predates the key) must be the
+    model's: the weights would load either way and silently compute another function."""
+    recorded = obj.get("config") if isinstance(obj.get("config"), dict) else None
+    if not isinstance((recorded or {}).get("model"), dict) or not hasattr(model, "config"):
+        return
+    trained = as_recorded("model", recorded["model"]).get("hidden_act")
+    if trained != model.config.hidden_act:
+        raise CheckpointError(f"{path}: was trained with model.hidden_act {trained!r}, but config.json's model has "
+                              f"{model.config.hidden_act!r}; set \"hidden_act\": \"{trained}\" in config.json's model "
+                              f"section to use these weights as trained")
+
+
 def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_seq_len: int,
                             log=say) -> Tuple[List[str], List[str]]:
     """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
     Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
-    state = load(path)["model_state_dict"]
+    obj = load(path)
+    state = obj["model_state_dict"]
+    _check_same_activation(obj, model, path)
     own = model.state_dict()
     # The encoder must come whole from the checkpoint (only a task head may be new): a missing or extra encoder
     # weight means config.json describes another architecture, and fine-tuning would start from random layers.

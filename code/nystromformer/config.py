@@ -46,6 +46,18 @@ ATTENTION_TYPES = ("softmax", "nystrom", "linformer", "performer", "linear", "re
 LINFORMER_SHARING = ("none", "headwise", "kv")
 PINV_INITS = ("original", "exact")
 HIDDEN_ACTS = ("gelu_tanh", "gelu")
+# Keys added since checkpoints were first written, with the value a checkpoint that does not record them was
+# trained with (their defaults changed on 2026-11-23): such a checkpoint resumes, validates, warm-starts, fine-tunes
+# and exports only as trained (resume.config_differences, checkpoint.load_pretrained_weights, interop).
+LEGACY_VALUES = {
+    "model": {"hidden_act": "gelu"},
+    "pretraining_setting": {"cycle_momentum": False},
+}
+
+
+def as_recorded(section: str, recorded: dict) -> dict:
+    """A config section a checkpoint recorded, with LEGACY_VALUES for the keys it predates."""
+    return {**LEGACY_VALUES.get(section, {}), **recorded}
 WEIGHT_INITS = ("paper", "bert")
 
 

@@ -25,7 +25,8 @@ import torch
 
 from . import atomic, checkpoint
 from .cli import add_subcommand, say
-from .config import Config, ConfigError, ModelConfig, config_from_dict, load_config, read_config_json
+from .config import (Config, ConfigError, ModelConfig, as_recorded, config_from_dict, load_config,
+                     read_config_json)
 from .errors import UserError
 from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
 from .shards import ShardError, read_meta
@@ -214,7 +215,7 @@ def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tens
         raise InteropError(f"{path}: not sequence-classification weights (expected encoder.* and classifier.* "
                            f"keys; found {bad[:1] or 'no classifier.out_proj.weight'})")
     if isinstance(obj.get("model_config"), dict):
-        mc = config_from_dict({"model": obj["model_config"]}).model
+        mc = config_from_dict({"model": as_recorded("model", obj["model_config"])}).model
     else:  # the fine-tuning run may have tiled positions beyond the pretraining length
         rows = state[checkpoint.POSITION_KEY].shape[0] - POSITION_OFFSET
         mc = dataclasses.replace(cfg.model, max_seq_len=rows)
@@ -230,7 +231,7 @@ def _trained_model_config(saved: dict, cfg: Config, source: Path, log) -> ModelC
     if not isinstance(stored, dict):
         return cfg.model
     try:
-        trained = config_from_dict({"model": stored}).model
+        trained = config_from_dict({"model": as_recorded("model", stored)}).model
     except ConfigError as e:
         log(f"note: {source} records model settings this version does not accept ({e}); exporting with "
             f"config.json's model settings")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import checkpoint, jsonlog
 from .cli import say
-from .config import Config, ConfigError
+from .config import LEGACY_VALUES, Config, ConfigError
 from .runtime import Runtime
 from .shards import ShardedSequences, ShardError
 
@@ -44,12 +44,6 @@ RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
     "gpu_setting": {"inst_per_gpu", "compile"},
-}
-# Keys added since checkpoints were first written, with the value a checkpoint that does not record them was
-# trained with: such a checkpoint resumes only under that value (a new default must not change a run midway).
-LEGACY_VALUES = {
-    "model": {"hidden_act": "gelu"},
-    "pretraining_setting": {"cycle_momentum": False},
 }
 
 
