@@ -177,6 +177,27 @@ def test_sweep_writes_a_summary_and_skips_finished_runs_when_rerun(fixture_model
     assert len(Path(second["summary"]["csv"]).read_text().splitlines()) == 4
 
 
+def test_a_nystrom_run_whose_batches_were_padded_to_their_longest_example_is_redone_not_summarised(
+        fixture_model_dir):
+    # Before 2026-11-23 every batch was padded to its longest example, which moves a Nystrom model's predictions
+    # with its batch: such a result is neither finished nor comparable, whatever its settings.
+    runs = grid(["MRPC"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    first = run_sweep(fixture_model_dir, runs, log=quiet)
+    path = run_dir(fixture_model_dir / "model", runs[0]) / "result.json"
+    result = json.loads(path.read_text())
+    assert first["ran"] == ["MRPC-0-0.001-2-1"] and result["padding"] == "to max_seq_len"
+    del result["padding"]  # as a run before the record wrote it
+    path.write_text(json.dumps(result))
+    said = []
+    summary = write_summary(fixture_model_dir / "model", runs, log=said.append, padding="to max_seq_len")
+    assert summary["rows"] == [] and any("padded their batches to the longest example" in m for m in said)
+    said.clear()
+    second = run_sweep(fixture_model_dir, runs, log=said.append)
+    assert second["ran"] == ["MRPC-0-0.001-2-1"] and second["skipped"] == []
+    assert any("replacing" in m and "batches padded to the longest example -> to max_seq_len" in m for m in said)
+    assert json.loads(path.read_text())["padding"] == "to max_seq_len" and len(second["summary"]["rows"]) == 1
+
+
 def test_settings_survive_the_round_trip_through_command_line_flags():
     import argparse
     from nystromformer.glue.commands import add_glue_arguments

@@ -153,11 +153,23 @@ def settings_differences(settings: FinetuneSettings, stored: dict) -> List[str]:
             if k not in PRESENTATION_SETTINGS and stored.get(k) != v]
 
 
-def read_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
+# How a run padded its batches (collator), recorded in result.json. Runs without the record (before 2026-11-23)
+# padded every model's batches to their longest example.
+PADDED_TO_MAX_SEQ_LEN, PADDED_TO_LONGEST = "to max_seq_len", "to the longest example"
+
+
+def padding_of(model_config) -> str:
+    return PADDED_TO_MAX_SEQ_LEN if model_config.attn_type in PADDING_AMOUNT_MATTERS else PADDED_TO_LONGEST
+
+
+def read_result(checkpoint_dir: Path, settings: FinetuneSettings, padding: Optional[str] = None) -> Optional[dict]:
     """The result of a run with these settings whose training completed, or None (a run of the same name made
-    with other settings -- subset sizes, warm-up... -- does not count). See ``is_finished`` for the submission."""
+    with other settings -- subset sizes, warm-up... -- does not count, nor, given ``padding``, one whose batches
+    were padded otherwise). See ``is_finished`` for the submission."""
     result = _stored_result(checkpoint_dir, settings)
     if result is None or settings_differences(settings, result.get("settings", {})):
+        return None
+    if padding is not None and result.get("padding", PADDED_TO_LONGEST) != padding:
         return None
     return result
 
@@ -346,15 +358,18 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
                                cfg.model.num_sen_type > 1, settings, out_dir, log=log)
 
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
-    previous = read_result(checkpoint_dir, settings)
+    padding = padding_of(cfg.model)
+    previous = read_result(checkpoint_dir, settings, padding)
     if previous is not None and submission_to_redo(previous, cfg.glue_dir) and best_path.is_file():
         why = "failed" if previous.get("submission_errors") else "lacks a file whose test file is there now"
         log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
         return submit(previous)
     stored = _stored_result(checkpoint_dir, settings)
     if stored is not None and previous is None:
-        log(f"warning: replacing {out_dir}, a run made with other settings "
-            f"({', '.join(settings_differences(settings, stored.get('settings', {})))})")
+        differences = settings_differences(settings, stored.get("settings", {}))
+        if stored.get("padding", PADDED_TO_LONGEST) != padding:
+            differences.append(f"batches padded {stored.get('padding', PADDED_TO_LONGEST)} -> {padding}")
+        log(f"warning: replacing {out_dir}, a run made with other settings ({', '.join(differences)})")
     # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
     # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model.
     if (out_dir / "result.json").exists():
@@ -379,7 +394,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows,
+              "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows, "padding": padding,
               "submission": [], "submission_errors": [], "submission_missing": []}
     if math.isnan(best["score"]):
         # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
@@ -448,8 +463,8 @@ def collator(model_config, tokenizer, task: Task, max_seq_len: int) -> PadCollat
     """Batches padded to their longest example, or to ``max_seq_len`` for attention whose outputs depend on the
     amount of padding (Nyström: else a short batch would move its landmarks, or at most num_landmarks tokens
     make it exact softmax, and an example's prediction would depend on its batch)."""
-    fixed = model_config.attn_type in PADDING_AMOUNT_MATTERS
-    return PadCollator(tokenizer.pad_token_id, task.is_regression, pad_to=max_seq_len if fixed else None)
+    return PadCollator(tokenizer.pad_token_id, task.is_regression,
+                       pad_to=max_seq_len if padding_of(model_config) == PADDED_TO_MAX_SEQ_LEN else None)
 
 
 def _count(n: int, noun: str) -> str:
