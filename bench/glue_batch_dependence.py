@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.checkpoint import load as load_checkpoint  # noqa: E402
-from nystromformer.config import load_config  # noqa: E402
+from nystromformer.config import as_recorded, config_from_dict, load_config  # noqa: E402
 from nystromformer.glue.encoding import EncodedDataset, PadCollator  # noqa: E402
 from nystromformer.glue.finetune import Runner  # noqa: E402
 from nystromformer.glue.metrics import split_metrics  # noqa: E402
@@ -40,16 +40,19 @@ def main() -> None:
     task = get_task(args.task)
     tokenizer = load_model_tokenizer(cfg)
     state = load_checkpoint(cfg.checkpoint_dir / "glue" / args.run / "best.model")
-    model = NystromformerForSequenceClassification(cfg.model, task.num_labels)
+    # The run's own model settings and input length (its --max-seq-len may differ from the model folder's)
+    model_cfg = (config_from_dict({"model": as_recorded("model", state["model_config"])}).model
+                 if isinstance(state.get("model_config"), dict) else cfg.model)
+    max_seq_len = (state.get("settings") or {}).get("max_seq_len") or cfg.model.max_seq_len
+    model = NystromformerForSequenceClassification(model_cfg, task.num_labels)
     model.load_state_dict(state["model_state_dict"])
     runner = Runner(model, torch.device(args.device), False)
     split = next(iter(task.dev))  # the first (MNLI: matched)
     examples = read_split(cfg.glue_dir, task, split).examples
-    max_seq_len = cfg.model.max_seq_len
-    data = EncodedDataset(examples, tokenizer, max_seq_len, cfg.model.num_sen_type > 1)
+    data = EncodedDataset(examples, tokenizer, max_seq_len, model_cfg.num_sen_type > 1)
     labels = [e.label for e in examples]
-    print(f"# {task.name} {split} ({len(examples)} examples), {cfg.model.attn_type} with "
-          f"{cfg.model.num_landmarks} landmarks, init {cfg.model.inv_coeff_init_option}, max_seq_len {max_seq_len}")
+    print(f"# {task.name} {split} ({len(examples)} examples), {model_cfg.attn_type} with "
+          f"{model_cfg.num_landmarks} landmarks, init {model_cfg.inv_coeff_init_option}, max_seq_len {max_seq_len}")
     print("| padding | eval batch size | dev metrics | predictions differing from batch size 1 | max abs output change |")
     print("|---|---|---|---|---|")
     for padding, pad_to in (("longest", None), ("fixed", max_seq_len)):

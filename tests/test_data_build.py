@@ -128,9 +128,10 @@ def one_big_partition(partitions, folder):
 
 
 @pytest.mark.parametrize("source", ["small-partitions", "one-big-partition"])
-def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_tokenizer, tmp_path, source):
+def test_dev_takes_whole_runs_of_text(partitions, trained_tokenizer, tmp_path, source):
     # As the paper's pipeline sent whole files of 8,192 consecutive sequences to dev: dev text seldom neighbours
-    # trained text. With every sequence in train the shards hold each file's sequences in order.
+    # trained text. A run is --dev-run × 510 tokens of a file's token stream. With every sequence in train the
+    # shards hold each file's sequences in order.
     root, dataset = (partitions, "wiki") if source == "small-partitions" else (
         one_big_partition(partitions, tmp_path), "big")
     order = build(root, trained_tokenizer, tmp_path / "order", seq_len=16, datasets=(dataset,),
@@ -140,14 +141,16 @@ def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_token
     index = {tuple(r): i for i, r in enumerate(rows)}
     if source == "one-big-partition":
         assert len(rows) > 3 * 64
-    build(root, trained_tokenizer, tmp_path / "runs", seq_len=16, datasets=(dataset,),
-          dev_fraction=0.4, dev_run=4)
+    stats = build(root, trained_tokenizer, tmp_path / "runs", seq_len=16, datasets=(dataset,),
+                  dev_fraction=0.4, dev_run=1)
     # Rows that occur twice in the text (a repeated 14-token block) are placed by their first occurrence only.
     repeated = {r for r, n in Counter(map(tuple, rows)).items() if n > 1}
     dev = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "dev") if tuple(r) not in repeated}
     train = {index[tuple(r)] for r in all_rows(tmp_path / "runs", "train") if tuple(r) not in repeated}
-    assert dev and train and not dev & train and len(dev | train) == len(index) - len(repeated)
-    # Runs are counted per partition file, from its first sequence: within a file, run k is all dev or all train.
+    assert dev and train and not dev & train
+    assert stats["train_sequences"] + stats["dev_sequences"] + stats["datasets"][dataset]["sequences_across_splits"] \
+        == len(rows)  # every sequence in one split, or counted as across a dev/train boundary
+    # Runs are counted per partition file, from its first token: the sequences inside run k are all dev or all train.
     files = json.loads((tmp_path / "order" / "train.json").read_text())["shards"]
     starts, first = [], 0
     for shard in files:                      # shard names: <dataset>--<part>-train-<k>.npy, in file order
@@ -156,10 +159,17 @@ def test_dev_takes_whole_runs_of_consecutive_sequences(partitions, trained_token
             starts.append((part, first))
         first += shard["num_sequences"]
     bounds = [b for _, b in starts] + [len(index)]
+    runs_checked = 0
     for lo, hi in zip(bounds, bounds[1:]):
-        for run_lo in range(lo, hi, 4):
-            members = set(range(run_lo, min(run_lo + 4, hi)))
-            assert not (members & dev and members & train), (run_lo, sorted(members & dev))
+        inside: dict = {}
+        for i in range(lo, hi):
+            first_run, last_run = (i - lo) * 14 // 510, ((i - lo) * 14 + 13) // 510
+            if first_run == last_run:
+                inside.setdefault(first_run, set()).add(i)
+        for members in inside.values():
+            assert not (members & dev and members & train), sorted(members & dev)
+            runs_checked += bool(members & (dev | train))
+    assert runs_checked > 3
 
 
 def test_builds_of_two_lengths_never_put_one_lengths_dev_text_in_the_others_train_split(partitions,

@@ -333,6 +333,11 @@ def test_a_byte_order_mark_opening_a_file_is_not_text_but_one_inside_a_line_is_k
     assert list(bookcorpus_documents([tmp_path / "books.txt"], SkipLog())) == expected
     assert list(realnews_documents([tmp_path / "news.jsonl"], SkipLog())) == ["First line of the file"]
     assert list(wiki_documents([tmp_path / "extracted" / "wiki_00"], SkipLog())) == ["First line of the file"]
+    # and a bad byte after it is reported on its own line
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfa\n\xff story\n")
+    skips = SkipLog()
+    assert list(stories_documents([tmp_path / "bad.txt"], skips)) == []
+    assert skips.as_dict()["first_examples"]["undecodable_bytes"][0].startswith(f"{tmp_path / 'bad.txt'}:2:")
 
 
 def test_lines_lose_their_indentation_and_trailing_spaces_but_keep_their_breaks(tmp_path):

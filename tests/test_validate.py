@@ -45,6 +45,30 @@ def test_validation_matches_the_end_of_epoch_dev_evaluation(trained):
     assert entry["loss"] == pytest.approx(dev[1]["loss"], abs=1e-6)
 
 
+def test_entries_of_an_earlier_dev_evaluation_are_measured_again_and_resuming_over_them_warns(trained, capsys):
+    # Before 2026-11-23 a dev evaluation took the split's first rows (one corpus): not comparable with today's.
+    cfg = load_config(trained)
+    log = trained / "model" / "validation_output.log"
+    first = validate(cfg)
+    assert all(e["eval_version"] == 2 for e in first)
+    old = [{k: v for k, v in json.loads(line).items() if k != "eval_version"} for line in log.read_text().splitlines()]
+    log.write_text("".join(json.dumps(e) + "\n" for e in old))  # as validate wrote them before the record
+    capsys.readouterr()
+    again = validate(cfg)
+    assert [e["checkpoint"] for e in again] == ["cp-0000.model", "cp-0001.model"]
+    assert "2 entries were measured by an earlier dev evaluation" in capsys.readouterr().err
+    assert len(log.read_text().splitlines()) == 4  # the old entries stay, the new ones beside them
+    assert validate(cfg) == []  # now measured with this evaluation
+    # pretraining's own dev points: resuming over older ones says so
+    pretrain_log = trained / "model" / "pretrain_output.log"
+    entries = [json.loads(line) for line in pretrain_log.read_text().splitlines()]
+    pretrain_log.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "eval_version"}) + "\n"
+                                    for e in entries))
+    capsys.readouterr()
+    assert pretrain(load_config(trained), show_progress=False) == 0  # (finished: it only reads the log)
+    assert "2 dev point(s) were measured by an earlier dev evaluation" in capsys.readouterr().err
+
+
 def test_a_missing_checkpoint_is_an_error_listing_the_available_ones(trained):
     with pytest.raises(CheckpointError, match="no checkpoint cp-0007.model .* available checkpoints: 0, 1"):
         validate(load_config(trained), epochs=[7])

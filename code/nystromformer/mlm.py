@@ -14,6 +14,10 @@ import torch
 from .model import IGNORE_INDEX, masked_positions_of
 from .shards import ShardedSequences
 
+# What a dev evaluation measures, recorded with each figure (pretraining's dev entries, validation's): figures of
+# another version are not comparable. 2 (2026-11-23): a seeded sample of the whole dev split (was: its first rows),
+# random replacements never special tokens.
+DEV_EVAL_VERSION = 2
 # Streams of the per-step seeds, so that training masks, dev masks and dropout never share draws.
 STREAM_ORDER, STREAM_MASK, STREAM_DEV_MASK, STREAM_DROPOUT, STREAM_DEV_SAMPLE = range(5)
 
@@ -138,7 +142,7 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
     loss_sum, masked, correct = totals.tolist()
     return {"loss": loss_sum / max(masked, 1), "mlm_accu": correct / max(masked, 1),
             "commonest_token_accu": int(label_counts.max()) / max(masked, 1),
-            "num_sequences": num_sequences, "num_masked": int(masked)}
+            "num_sequences": num_sequences, "num_masked": int(masked), "eval_version": DEV_EVAL_VERSION}
 
 
 def dev_sample(num_rows: int, num_sequences: int, seed: int) -> np.ndarray:

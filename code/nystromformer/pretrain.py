@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import checkpoint
+from . import checkpoint, jsonlog
 from .cli import add_subcommand, say, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
 from .jsonlog import JsonLog
-from .mlm import (STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed, evaluate_fp16_safe,
-                  generator, mask_tokens, micro_batches, padding_mask, to_device)
+from .mlm import (DEV_EVAL_VERSION, STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed,
+                  evaluate_fp16_safe, generator, mask_tokens, micro_batches, padding_mask, to_device)
 from .model import IGNORE_INDEX, NystromformerForMaskedLM, masked_positions_of
 from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
                      check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
@@ -295,6 +295,12 @@ class PretrainRun:
             if stop_at_step is None or step < stop_at_step:  # a rerun of the same stop trains and logs nothing
                 self.say(f"resuming from {state['path']} at step {step} (epoch {step // ps.batches_per_epoch})")
                 self.log.write(type="resume", step=step, checkpoint=state["path"])
+        older = [e for e in jsonlog.read(self.log.path) if e.get("type") == "dev"
+                 and e.get("eval_version") != DEV_EVAL_VERSION] if self.log.path.is_file() and self.rt.is_main else []
+        if older:
+            say(f"warning: {self.log.path}: {len(older)} dev point(s) were measured by an earlier dev evaluation "
+                f"(before 2026-11-23 it took the dev split's first rows, one corpus): not comparable with the ones "
+                f"this run adds; `nystromformer validate` measures every checkpoint with the current one")
         # A run stopped between an epoch's checkpoint and its dev evaluation: do that evaluation now.
         if (self.dev_data is not None and step % ps.batches_per_epoch == 0
                 and dev_point_missing(self.log.path, step, self.rt)):

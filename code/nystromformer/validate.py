@@ -14,10 +14,10 @@ from typing import List, Optional
 
 from . import atomic, checkpoint, jsonlog
 from .jsonlog import JsonLog
-from .cli import add_subcommand, script_main
+from .cli import add_subcommand, say, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
-from .mlm import accuracy_note, evaluate_fp16_safe
+from .mlm import DEV_EVAL_VERSION, accuracy_note, evaluate_fp16_safe
 from .model import NystromformerForMaskedLM
 from .resume import check_data, config_differences
 from .runtime import setup_runtime
@@ -33,7 +33,14 @@ def validated_checkpoints(cfg: Config) -> set:
     path = cfg.checkpoint_dir / LOG_NAME
     if not path.is_file():
         return set()
-    return {e["checkpoint"] for e in jsonlog.read(path) if "checkpoint" in e}
+    return {e["checkpoint"] for e in jsonlog.read(path)
+            if "checkpoint" in e and e.get("eval_version") == DEV_EVAL_VERSION}
+
+
+def older_entries(cfg: Config) -> int:
+    """Entries of the validation log measured by an earlier dev evaluation (another DEV_EVAL_VERSION)."""
+    path = cfg.checkpoint_dir / LOG_NAME
+    return sum(e.get("eval_version") != DEV_EVAL_VERSION for e in jsonlog.read(path)) if path.is_file() else 0
 
 
 def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,
@@ -55,6 +62,10 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
                                          f"pretrained in this model folder yet")
     if epochs is None:
         done = validated_checkpoints(cfg)
+        if older_entries(cfg):
+            say(f"warning: {cfg.checkpoint_dir / LOG_NAME}: {older_entries(cfg)} entries were measured by an earlier "
+                f"dev evaluation (no \"eval_version\": {DEV_EVAL_VERSION}; before 2026-11-23 it took the dev split's "
+                f"first rows, one corpus); their checkpoints are measured again and the new entries added beside them")
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
                   if checkpoint.model_path(cfg.checkpoint_dir, e).name not in done]
     atomic.check_writable_folder(cfg.checkpoint_dir, LOG_NAME)

@@ -5,6 +5,7 @@ first few offenders (file:line) in the log and keeps totals for the stats file.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import re
@@ -172,10 +173,12 @@ def stories_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
     for path in files:
         if _is_empty(path, skips):
             continue
+        raw = path.read_bytes()
+        raw = raw[len(codecs.BOM_UTF8):] if raw.startswith(codecs.BOM_UTF8) else raw  # a byte-order mark is not text
         try:
-            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is not text
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            line = path.read_bytes()[: e.start].count(b"\n") + 1
+            line = raw[: e.start].count(b"\n") + 1
             skips.skip("undecodable_bytes", f"{path}:{line}", f"{e}; whole story skipped")
             continue
         document = _join_paragraphs(_split_lines(text))
