@@ -62,8 +62,9 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
                                          f"pretrained in this model folder yet")
     if epochs is None:
         done = validated_checkpoints(cfg)
-        if older_entries(cfg):
-            say(f"warning: {cfg.checkpoint_dir / LOG_NAME}: {older_entries(cfg)} entries were measured by an earlier "
+        older = older_entries(cfg)
+        if older:
+            say(f"warning: {cfg.checkpoint_dir / LOG_NAME}: {older} entries were measured by an earlier "
                 f"dev evaluation (no \"eval_version\": {DEV_EVAL_VERSION}; before 2026-11-23 it took the dev split's "
                 f"first rows, one corpus); their checkpoints are measured again and the new entries added beside them")
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)

@@ -162,6 +162,10 @@ def padding_of(model_config) -> str:
     return PADDED_TO_MAX_SEQ_LEN if model_config.attn_type in PADDING_AMOUNT_MATTERS else PADDED_TO_LONGEST
 
 
+def recorded_padding(result: dict) -> str:
+    return result.get("padding", PADDED_TO_LONGEST)
+
+
 def read_result(checkpoint_dir: Path, settings: FinetuneSettings, padding: Optional[str] = None) -> Optional[dict]:
     """The result of a run with these settings whose training completed, or None (a run of the same name made
     with other settings -- subset sizes, warm-up... -- does not count, nor, given ``padding``, one whose batches
@@ -169,7 +173,7 @@ def read_result(checkpoint_dir: Path, settings: FinetuneSettings, padding: Optio
     result = _stored_result(checkpoint_dir, settings)
     if result is None or settings_differences(settings, result.get("settings", {})):
         return None
-    if padding is not None and result.get("padding", PADDED_TO_LONGEST) != padding:
+    if padding is not None and recorded_padding(result) != padding:
         return None
     return result
 
@@ -367,8 +371,8 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     stored = _stored_result(checkpoint_dir, settings)
     if stored is not None and previous is None:
         differences = settings_differences(settings, stored.get("settings", {}))
-        if stored.get("padding", PADDED_TO_LONGEST) != padding:
-            differences.append(f"batches padded {stored.get('padding', PADDED_TO_LONGEST)} -> {padding}")
+        if recorded_padding(stored) != padding:
+            differences.append(f"batches padded {recorded_padding(stored)} -> {padding}")
         log(f"warning: replacing {out_dir}, a run made with other settings ({', '.join(differences)})")
     # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
     # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model.

@@ -37,7 +37,7 @@ from ..config import load_config
 from ..errors import UserError
 from ..runtime import resolve_device
 from .finetune import (PADDED_TO_LONGEST, PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_max_seq_len,
-                       check_task_folder, finetune, is_finished, padding_of, read_result, run_dir)
+                       check_task_folder, finetune, is_finished, padding_of, read_result, recorded_padding, run_dir)
 from .metrics import better_score
 from .tasks import TASKS, GlueDataError, get_task, submission_file_names
 
@@ -259,7 +259,7 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings, log: Callable[[s
         if shared_settings(settings) != wanted:
             others.append(settings)
             continue
-        if padding is not None and result.get("padding", PADDED_TO_LONGEST) != padding:
+        if padding is not None and recorded_padding(result) != padding:
             padded_otherwise.append(settings.run_name)
             continue
         found.append((settings, result))
