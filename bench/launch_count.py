@@ -10,16 +10,24 @@ one operator either way here).
 
     python bench/launch_count.py                 # n = 512, 64 landmarks, conv 33, 2 heads × 64
     python bench/launch_count.py --verbose       # and which operators
+    python bench/launch_count.py --host-time     # and the host's time outside the kernels
 
 Prints one Markdown table: launches (aten / Triton) for softmax (SDPA) and the Nyström fast path with
 NYSTROM_TRITON=0, 1 and all, with a padding mask and with mask=None (rows without padding, as in pretraining).
+``--host-time`` adds, per variant with Triton kernels, the host's own work around the launches: the median time of
+one forward + backward with each launch's body skipped (``kernel[grid](...)`` returns at once; the outputs are
+then garbage, but no step of this path depends on values), i.e. our Python, autograd, dispatch and the aten
+operators on these CPU tensors. What a launch itself costs a GPU's host comes on top, once per launch counted.
+A comparison between variants and commits on one machine, not a GPU host's figure.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -48,19 +56,21 @@ def count(args) -> None:
                 launches[name] += 1
             return func(*args, **(kwargs or {}))
 
-    triton_launches = [0]
+    triton_launches, skip_kernels = [0], [False]
     if args.variant.startswith("nystrom") and os.environ.get("NYSTROM_TRITON") != "0":
         from triton.runtime import interpreter
-        run = interpreter.GridExecutor.__call__
+        run = interpreter.InterpretedFunction.run  # one call per launch: kernel[grid](...)
 
         def counted(self, *a, **kw):
             triton_launches[0] += 1
+            if skip_kernels[0]:
+                return None
             inside_kernel[0] = True
             try:
                 return run(self, *a, **kw)
             finally:
                 inside_kernel[0] = False
-        interpreter.GridExecutor.__call__ = counted
+        interpreter.InterpretedFunction.run = counted
 
     b, h, n, d = 1, args.heads, args.n, 64
     # q, k, v as the model makes them: (b, n, h, d) projections seen as (b, h, n, d)
@@ -84,7 +94,19 @@ def count(args) -> None:
         out.sum().backward()
     launches.subtract({"sum": 1, "ones_like": 1})  # the harness's loss and its gradient seed
     launches = +launches
-    print(sum(launches.values()), triton_launches[0])
+    counted_launches = sum(launches.values()), triton_launches[0]
+    host_us = ""
+    if args.host_time:
+        skip_kernels[0] = True
+        samples = []
+        for _ in range(args.repeats + 3):  # the first 3 warm up
+            for t in leaves + [w]:
+                t.grad = None
+            start = time.perf_counter()
+            fn().sum().backward()
+            samples.append(time.perf_counter() - start)
+        host_us = f" {statistics.median(samples[3:]) * 1e6:.0f}"
+    print(*counted_launches, end=host_us + "\n")
     if args.verbose:
         print(dict(launches.most_common()), file=sys.stderr)
 
@@ -96,6 +118,9 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true", help="also print the operators counted, per variant")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="q, k, v as the model passes them: fp32 with attention_fp32 true (the paper's), bf16 without")
+    ap.add_argument("--host-time", action="store_true",
+                    help="also time the host's work outside the kernels (median µs of one forward + backward)")
+    ap.add_argument("--repeats", type=int, default=200, help="forward + backward runs timed for --host-time")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -109,10 +134,11 @@ def main(argv=None):
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
-    print("| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total |")
-    print("|---|---|---|")
+    host = " | host µs around the launches, mask / mask=None" if args.host_time else ""
+    print(f"| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total{host} |")
+    print("|---|---|---|" + ("---|" if args.host_time else ""))
     for label, variant, mode in rows:
-        cells = []
+        cells, hosts = [], []
         for mask in ("ones", "none"):
             kernels, _, overlap = mode.partition("+")
             env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
@@ -121,14 +147,18 @@ def main(argv=None):
                    "--child", variant, mask]
             if args.verbose:
                 cmd.append("--verbose")
+            if args.host_time:
+                cmd += ["--host-time", "--repeats", str(args.repeats)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(proc.stderr[-3000:])
             if args.verbose:
                 print(f"# {label}, mask {mask}: {proc.stderr.strip()}")
-            aten, triton = map(int, proc.stdout.split()[-2:])
-            cells.append(f"{aten} + {triton} = {aten + triton}")
-        print(f"| {label} | {cells[0]} | {cells[1]} |")
+            aten, triton, *host_us = proc.stdout.strip().splitlines()[-1].split()
+            cells.append(f"{aten} + {triton} = {int(aten) + int(triton)}")
+            # without Triton kernels the time is the operators' own CPU compute, not host overhead
+            hosts.extend(host_us if triton != "0" else ["n/a"] * len(host_us))
+        print(f"| {label} | {cells[0]} | {cells[1]} |" + (f" {' / '.join(hosts)} |" if hosts else ""))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """What a training step keeps for backward, and its peak: nystrom (each kernel mode) vs softmax. No GPU needed.
 
 The tensors autograd saves during the forward are most of a training step's peak memory (issue #6: "peak memory
-≤ the softmax model's"). This walks the autograd graph of one MLM forward — including the inner graph of the
-one-node Triton path (``NYSTROM_TRITON=all``) — and adds up the distinct storages its nodes save, parameters
+≤ the softmax model's"). This walks the autograd graph of one MLM forward and adds up the distinct storages its nodes save, parameters
 excluded, and how much of that is sequence-sized (storages of at least half a (b, h, n, d) tensor); and it
 records the most bytes the CPU allocator held during the forward + backward (torch.profiler's memory events),
 which also counts tensors kept alive without being saved and the backward's temporaries. Counted on the CPU in
@@ -69,9 +68,6 @@ def saved_storages(root: torch.Tensor, exclude=(), min_bytes=0):
         except RuntimeError:
             pass
         stack.extend(fn for fn, _ in node.next_functions)
-        inner = getattr(node, "inner", None)  # nystrom_fast._TritonNystrom keeps its inner graph's edge here
-        if isinstance(inner, torch.autograd.graph.GradientEdge):
-            stack.append(inner.node)
     return seen
 
 

@@ -48,10 +48,12 @@ def configs(dt: str, prec: str, wide: bool):
     yield ("segment means", nt._segmeans_kernel,
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, OUT=p, H=I32, N=I32, M=I32, D=I32),
            dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False), 4)
-    yield ("segment means backward", nt._segmeans_bwd_kernel,
-           dict(G=p, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"), GX=p, **strides("sxb", "sxh", "sxn", "sxd"),
-                H=I32, N=I32, M=I32, D=I32),
-           dict(HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
+    for one_node in (False, True):  # the one-node layer reads the landmarks' two gradients (fp32) and adds them
+        g = "*fp32" if one_node else p
+        yield ("segment means backward" + (", two landmark gradients" if one_node else ""), nt._segmeans_bwd_kernel,
+               dict(G=g, G2=g, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"), GX=p,
+                    **strides("sxb", "sxh", "sxn", "sxd"), H=I32, N=I32, M=I32, D=I32),
+               dict(HAS_G2=one_node, HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
     conv_args = dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
                      **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
                      H=I32, N=I32, D=I32)
@@ -73,11 +75,12 @@ def configs(dt: str, prec: str, wide: bool):
     yield ("pass 1 combine", nt._lq_combine_kernel,
            dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
            dict(NPROG=128, BLOCK_M=64, BLOCK_D=64), 4)                                 # n = 65,536 at bf16
-    yield ("pass 1 backward", nt._lq_bwd_kernel,
-           dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
-                **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", **dims),
-           dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True, **f64),
-           4 if wide else 8)
+    for one_node in (False, True):  # the one-node layer adds K's segment-means gradient into dK
+        yield ("pass 1 backward" + (" + K's segment-means gradient" if one_node else ""), nt._lq_bwd_kernel,
+               dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
+                    **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", KEEP=p, DKL="*fp32", **dims),
+               dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True,
+                    HAS_SEG=one_node, **f64), 4 if wide else 8)
     core = dict(QL=p, KL=p)
     core_c = dict(BLOCK=64, BLOCK_D=64, OUTER="tf32x3", IS_F64=False)
     batch = dict(BLOCK_S=nt.CORE_BLOCK_S, CHUNKS=6)  # b·h = 1,536 (batch 128 × 12 heads)
@@ -100,10 +103,12 @@ def configs(dt: str, prec: str, wide: bool):
                             NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
                        dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept, TRANSPOSED=transposed),
                        nt.CORE_WARPS)
-    yield ("landmark core softmax backward", nt._core_softmax_bwd_kernel,
-           dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=p, DKL=p, M=I32,
-                D=I32, NBH=I32, scale="fp32"),
-           dict(**batch, **core_c), nt.CORE_WARPS)
+    for one_node in (False, True):  # the one-node layer: fp32 landmark gradients, pass 2's dK̃ added in
+        t = "*fp32" if one_node else p
+        yield ("landmark core softmax backward" + (" + pass 2's dK̃" if one_node else ""), nt._core_softmax_bwd_kernel,
+               dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t,
+                    DKL_ADD="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+               dict(**batch, **core_c, HAS_DKL_ADD=one_node), nt.CORE_WARPS)
     yield ("pass 2 forward", nt._lk_fwd_kernel, dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), **dims),
            dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec), 8)
     yield ("pass 2 backward", nt._lk_bwd_kernel,

@@ -329,7 +329,7 @@ def test_interp_conv_kernel(n, ks, res):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("n,m,conv,init,pad", [CASES[1], CASES[2], CASES[3], CASES[5]])
+@pytest.mark.parametrize("n,m,conv,init,pad", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5]])
 def test_interp_whole_fast_path_with_triton(n, m, conv, init, pad):
     att = layer(m, conv, init)
     qkv, mask = inputs(2, n, pad=pad, seed=n + m)
@@ -542,8 +542,9 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
 @pytest.mark.parametrize("padded,overlap", [(False, False), (True, False), (False, True)])
 def test_interp_compiled_model_with_the_kernels_is_the_eager_model(padded, overlap, monkeypatch):
     # torch.compile(fullgraph=True): the kernels are opaque custom ops to dynamo (no graph break, so CUDA graphs
-    # can take the whole encoder); the one-node backward of NYSTROM_TRITON=all gives way to the per-kernel path;
-    # NYSTROM_OVERLAP=1's split middle compiles too (on one stream).
+    # can take the whole encoder); with NYSTROM_TRITON=all the compiled layer is the one-node layer too (its forward
+    # and backward are custom ops); NYSTROM_OVERLAP=1's split middle compiles too (on one stream).
+    from torch._dynamo.testing import CompileCounterWithBackend
     monkeypatch.setenv("NYSTROM_OVERLAP", "1" if overlap else "0")
     from nystromformer.config import ModelConfig
     from nystromformer.model import NystromformerForMaskedLM
@@ -558,7 +559,8 @@ def test_interp_compiled_model_with_the_kernels_is_the_eager_model(padded, overl
     mask = torch.ones(2, 67, dtype=torch.long)
     mask[1, 50:] = 0
     mask = mask if padded else None
-    compiled = torch.compile(model.encoder, backend="aot_eager", fullgraph=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.encoder, backend=counter, fullgraph=True)
     results = []
     for encoder in (model.encoder, compiled):
         hidden = encoder(ids, mask)
@@ -567,6 +569,10 @@ def test_interp_compiled_model_with_the_kernels_is_the_eager_model(padded, overl
     assert rel(results[1][0], results[0][0]) < 1e-13
     for a, b in zip(results[1][1], results[0][1]):
         assert rel(a, b) < 1e-12
+    code = "".join(m.code for m in counter.graphs[0].modules() if hasattr(m, "code"))
+    one_node = os.environ.get("NYSTROM_TRITON") == "all" and not overlap
+    assert code.count("nystromformer.layer_forward") == (2 if one_node else 0)   # one per layer
+    assert code.count("nystromformer.layer_backward") == (2 if one_node else 0)
 
 
 @needs_interpreter
@@ -600,12 +606,20 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
              nt._core_backward: (q_land, k_land, zw, stat, cols, kept, r(2, 2, 8, 16), 3, "ieee"),
              nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee", True),
              nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee")}
+    taps = r(2, 5)
+    saved = nt._layer_forward(q, k, v, keep, keep * 0, taps, 8, 3, "ieee")[1:]
+    cases[nt._layer_forward] = (q, k, v, keep, keep * 0, taps, 8, 3, "ieee")
+    cases[nt._layer_backward] = (q, k, v, keep, keep * 0, taps, *saved, r(2, 40, 2, 16).transpose(1, 2), 3, "ieee",
+                                 True, True, True)
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
     for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee")),
                      (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee")),
                      (nt._lq_forward, (q_land, k, v, None)),                        # no padding: no key bias
-                     (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16)))):
+                     (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16))),
+                     (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee")),    # no padding, no conv
+                     (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 3, "ieee", False,
+                                           False, False))):                          # only dK asked for
         torch.library.opcheck(fn.op, args)
 
 
@@ -624,29 +638,63 @@ def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layou
 
 
 @needs_interpreter
-def test_interp_one_node_output_is_in_the_queries_layout_and_pass_2s_output_is_not_kept(monkeypatch):
+def test_interp_one_node_output_is_in_the_queries_layout_and_it_keeps_no_sequence_long_intermediate(monkeypatch):
     # Peak memory (bench/saved_memory.py): the model reshapes the output to (b, n, h·d), a view only if the output
-    # is in q's layout, as SDPA's is — else a copy that the output projection keeps besides the output. And pass
-    # 2's output is read by the conv alone: the node holds its inner graph by a gradient edge, not by that tensor.
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    from nystromformer.attention import nystrom_triton as nt
+    # is in q's layout, as SDPA's is — else a copy that the output projection keeps besides the output. Of the
+    # sequence-long tensors the node keeps for its backward, all are q, k, v themselves (pass 2's output is the
+    # layer's, the conv added in place; everything else is landmark-sized).
     monkeypatch.setenv("NYSTROM_TRITON", "all")
-    pass_2_outputs, pass_2 = [], nt.landmark_keys_attention
-
-    def recording_pass_2(*args):
-        out = pass_2(*args)
-        pass_2_outputs.append(StorageWeakRef(out.untyped_storage()))
-        return out
-    monkeypatch.setattr(nt, "landmark_keys_attention", recording_pass_2)
     att = layer(8, 5)
     (q, k, v), mask = inputs(2, 67, seed=6)
     out = nystrom_fast.forward(q, k, v, None, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
     assert type(out.grad_fn).__name__ == "_TritonNystromBackward" and out.stride() == q.stride()
-    gc.collect()  # the interpreter keeps a launch's arguments in a reference cycle; compiled kernels do not
-    assert len(pass_2_outputs) == 1 and pass_2_outputs[0].expired()
-    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))   # and the backward still runs
+    saved = [t for t in out.grad_fn.saved_tensors if t is not None]
+    sequence_long = {t.untyped_storage().data_ptr() for t in saved if t.numel() >= 67 * D}
+    assert sequence_long == {t.untyped_storage().data_ptr() for t in (q, k, v)}
+    assert out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in saved}
     assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("in_pass_1", [False, True], ids=["own-pass", "in-pass-1"])
+def test_interp_one_node_adds_the_k_means_gradient_in_pass_1_or_in_a_pass_of_its_own_alike(in_pass_1, monkeypatch):
+    # 16-bit inputs fold dK's segment-means share into pass 1's backward, wider ones (which would spill there) add
+    # it in the segment-means kernel: both against the reference, padding and n not a multiple of m
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    monkeypatch.setattr(nt, "K_MEANS_GRAD_IN_PASS_1_MAX_BYTES", 8 if in_pass_1 else 2)
+    calls, lq_backward = [], nt.lq_backward_raw
+    monkeypatch.setattr(nt, "lq_backward_raw", lambda *a, seg=None: calls.append(seg is not None) or
+                        lq_backward(*a, seg=seg))
+    att = layer(8, 5)
+    qkv, mask = inputs(2, 67, pad=(3, 20), seed=9)
+    compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
+    assert calls == [in_pass_1]
+
+
+@needs_interpreter
+def test_interp_one_node_backs_up_twice_with_retain_graph_and_under_activation_checkpointing(monkeypatch):
+    # The node saves what its backward reads as any node does: a second backward gives the same gradients, and
+    # under activation checkpointing it is recomputed once in the backward, as any node.
+    from torch.utils.checkpoint import checkpoint
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=8)
+    params = (q, k, v, att.conv.weight)
+    kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    out = nystrom_fast.forward(q, k, v, mask, **kw)
+    g = torch.randn_like(out)
+    first = torch.autograd.grad(out, params, g, retain_graph=True)
+    second = torch.autograd.grad(out, params, g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    ref = torch.autograd.grad(att.reference_forward(q, k, v, mask), params, g)
+    assert all(rel(a, b) < FP64_TOL for a, b in zip(first, ref))
+    from nystromformer.attention import nystrom_triton as nt
+    calls, layer_forward = [], nt.layer_forward
+    monkeypatch.setattr(nt, "layer_forward", lambda *a: calls.append(1) or layer_forward(*a))
+    checkpointed = checkpoint(lambda *t: nystrom_fast.forward(*t, mask, **kw), q, k, v, use_reentrant=False)
+    assert all(rel(a, b) < FP64_TOL for a, b in zip(torch.autograd.grad(checkpointed, params, g), ref))
+    assert len(calls) == 2  # the forward, and its one recomputation in the backward
 
 
 @needs_interpreter

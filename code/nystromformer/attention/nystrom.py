@@ -97,8 +97,6 @@ class NystromAttention(nn.Module):
         self.pinv_iterations = config.pinv_iterations
         self.init_option = config.inv_coeff_init_option
         self.impl = "auto"  # see use_fast_path; NYSTROM_IMPL overrides it
-        # Under activation checkpointing the fast path's one-node backward would defeat it (nystrom_fast.forward).
-        self.checkpointed = config.attention_grad_checkpointing
         self.conv = None
         if config.conv_kernel_size is not None:
             k = config.conv_kernel_size
@@ -113,8 +111,7 @@ class NystromAttention(nn.Module):
             from . import nystrom_fast
             return nystrom_fast.forward(q, k, v, mask, num_landmarks=self.num_landmarks,
                                         pinv_iterations=self.pinv_iterations, init=self.init_option,
-                                        conv_weight=None if self.conv is None else self.conv.weight,
-                                        fused_backward=False if self.checkpointed else None)
+                                        conv_weight=None if self.conv is None else self.conv.weight)
         return self.reference_forward(q, k, v, mask)
 
     def reference_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

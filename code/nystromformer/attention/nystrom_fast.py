@@ -123,8 +123,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     products: "auto" = "tf32" for 16-bit inputs (its ~1e-3 error is below bf16's; checked by emulation in
     docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
     ``fused_backward`` (Triton only; default: ``NYSTROM_TRITON=all``): in training, run the layer as one autograd
-    node (``_TritonNystrom``). Never under activation checkpointing: the node keeps its inner graph outside the
-    saved-tensor hooks that checkpointing relies on, so checkpointing would recompute it twice and free nothing.
+    node (``_TritonNystrom``) where the attention kernels apply (m ≤ 64, ``init="original"``, no
+    ``NYSTROM_OVERLAP``); False: the per-kernel autograd path.
     """
     b, h, n, d = q.shape
     if use_triton is None:
@@ -157,12 +157,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
 
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(masked(q), masked(k), v, attn_mask=_key_bias(bias))
-    elif (use_triton and fused_backward and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-          and not torch.compiler.is_compiling()):
-        # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each. Not under
-        # torch.compile: the node runs an inner autograd graph in its backward, which dynamo cannot trace; the
-        # per-kernel path (custom ops there) is the compiled one.
-        return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, num_landmarks, landmark_args)
+    elif (fused_backward and attention_kernels and init == "original" and not overlap_mode()
+          and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each (custom ops
+        # under torch.compile, so the compiled step runs it too).
+        return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, bias, num_landmarks, pinv_iterations,
+                                    pinv_precision)
     else:
         if use_triton:
             from .nystrom_triton import segment_means_masked
@@ -303,76 +303,38 @@ def _join(side, out: torch.Tensor, reads):
 
 
 class _TritonNystrom(torch.autograd.Function):
-    """The Nyström layer (landmarks < n) with the Triton kernels, as one autograd node.
+    """The Nyström layer (landmarks < n, m ≤ 64, ``init="original"``) with the Triton kernels, as one autograd node:
+    ``nystrom_triton.layer_forward`` / ``layer_backward``, every kernel in a fixed order with no autograd inside.
 
-    Q, K and V are each used twice (Q: masked queries of pass 2 and the landmark means; K: pass 1 and the
-    landmark means; V: pass 1 and the conv), so plain autograd writes two input-sized gradients per input and
-    adds them, plus mask multiplies — ~1.5–2 ms of "glue" per layer at 65,536 tokens on the H100
-    (docs/performance.md). Here the middle (two SDPA passes, the m × m pieces) is an inner autograd graph over
-    detached leaves, one per use, and the backward writes each input gradient once: dq = keep·(dQ_pass2 +
-    segment-means gradient), dk = dK_pass1 + keep·segment-means gradient, dv = dV_pass1 + keep·conv_T(g) — each
-    one kernel that reads the other use's gradient as an addend.
+    Q, K and V are each used twice (Q: masked queries of pass 2 and the landmark means; K: pass 1 and the landmark
+    means; V: pass 1 and the conv), so plain autograd writes two input-sized gradients per input and adds them,
+    plus mask multiplies — ~1.5–2 ms of "glue" per layer at 65,536 tokens on the H100 (docs/performance.md). Here
+    each input gradient is written once, the other use's share added in the same kernel; what the backward reads
+    is saved as any node's is (so activation checkpointing and ``retain_graph`` work as usual).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, conv_weight, keep, m, landmark_args):
+    def forward(ctx, q, k, v, conv_weight, keep, key_bias, m, iters, precision):
         from . import nystrom_triton as nt
         keep = keep.contiguous()
-        q_land = nt.segment_means_raw(q, keep, m)
-        k_land = nt.segment_means_raw(k, keep, m)
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_() for t in (q, k, v, q_land, k_land)]
-            inner = _landmark_attention(*leaves, *landmark_args)
-        # The inner graph is kept by its output's gradient edge, not by the output: pass 2 recomputes what it
-        # needs, so its output (sequence-sized) is freed as soon as the conv has read it.
-        ctx.inner, ctx.leaves = torch.autograd.graph.get_gradient_edge(inner), leaves
-        ctx.n = q.shape[-2]
-        # Each gradient is written in its input's layout (the model's q, k, v are transposed views), so the
-        # backward of the view costs no copy; meta tensors carry the strides without memory.
-        ctx.like = [torch.empty_like(t, device="meta") for t in (q, k, v)]
-        out = inner.detach()  # pass 2 writes in q's layout
+        taps = None if conv_weight is None else nt.conv_taps(conv_weight)
+        # The output is in q's layout, as SDPA's is: the model's (b, n, h·d) reshape is then a view, not a copy
+        # that the output projection would keep besides this tensor.
+        out, *saved = nt.layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision)
+        ctx.save_for_backward(q, k, v, keep, key_bias, taps, *saved)
+        ctx.iters, ctx.precision = iters, precision
         if conv_weight is not None:
-            # Also in q's layout, as SDPA's output is: the model's (b, n, h·d) reshape is then a view, not a copy
-            # that the output projection would keep besides this tensor.
-            out = nt.conv_raw(v, keep, nt.conv_taps(conv_weight), out, in_mask=True, out_mask=False, like=q)
-        ctx.save_for_backward(v, keep, conv_weight)
+            ctx.weight_shape, ctx.weight_dtype = conv_weight.shape, conv_weight.dtype
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # no double backward (the fused kernels are not differentiable)
     def backward(ctx, g):
         from . import nystrom_triton as nt
-        v, keep, conv_weight = ctx.saved_tensors
-        if ctx.inner is None:
-            raise RuntimeError("Nyström attention (Triton path): a second backward through the same forward "
-                               "(retain_graph=True) is not supported; set NYSTROM_TRITON=0 for that")
-        # g as it comes (every kernel below takes strides): in the model, a view of the (b, n, h·d) gradient.
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        # Leaves (q, k, v, q_land, k_land): only those an input that needs a gradient depends on.
-        wanted = [need_q, need_k, need_v, need_q, need_k]
-        grads = torch.autograd.grad(ctx.inner, [t for t, w in zip(ctx.leaves, wanted) if w], g)
-        ctx.inner = ctx.leaves = None  # the inner graph's buffers are freed by that call; drop the references
-        it = iter(grads)
-        dq_pass2, dk_pass1, dv_pass1, dq_land, dk_land = (next(it) if w else None for w in wanted)
-        like_q, like_k, like_v = ctx.like
-
-        def into(grad, like):  # the inner gradient, ours alone now, is overwritten when its layout is right
-            ok = (grad.stride() == like.stride() and grad.dtype == like.dtype
-                  and grad.untyped_storage().data_ptr() != g.untyped_storage().data_ptr())
-            return grad if ok else None
-
-        dq = dk = dv = dw = None
-        if need_q:
-            dq = nt.segment_means_grad(dq_land, keep, ctx.n, add=dq_pass2, mask_add=True, like=like_q,
-                                       out=into(dq_pass2, like_q))
-        if need_k:
-            dk = nt.segment_means_grad(dk_land, keep, ctx.n, add=dk_pass1, mask_add=False, like=like_k,
-                                       out=into(dk_pass1, like_k))
-        if need_v:
-            dv = dv_pass1
-            if conv_weight is not None:
-                dv = nt.conv_raw(g, keep, nt.conv_taps(conv_weight), dv_pass1, in_mask=False, out_mask=True,
-                                 like=like_v, out=into(dv_pass1, like_v), flip=True)
-        if conv_weight is not None and need_w:
-            dw = nt.conv_weight_grad_mm(v, keep, g, conv_weight.shape).to(conv_weight.dtype)
-        return dq, dk, dv, dw, None, None, None
+        # g as it comes (every kernel takes strides): in the model, a view of the (b, n, h·d) gradient.
+        dq, dk, dv, dtaps = nt.layer_backward(*ctx.saved_tensors, g, iters=ctx.iters, precision=ctx.precision,
+                                              need_q=need_q, need_v=need_v, need_taps=need_w)
+        dw = dtaps.reshape(ctx.weight_shape).to(ctx.weight_dtype) if need_w else None
+        return (dq if need_q else None, dk if need_k else None, dv if need_v else None, dw,
+                None, None, None, None, None)

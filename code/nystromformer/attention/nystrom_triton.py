@@ -403,9 +403,12 @@ if triton is not None:
         tl.store(NTIE + bh, tl.sum(tl.where(colsum == div, 1.0, 0.0), axis=0).to(NTIE.dtype.element_ty))
 
     @triton.jit
-    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, M, D, NBH, scale,
+    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, DKL_ADD, M, D, NBH, scale,
                                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
+                                 CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr,
+                                 HAS_DKL_ADD: tl.constexpr):
+        # HAS_DKL_ADD: DKL also gets K̃'s gradient from its other use (pass 2's, the one-node layer's), added here
+        # rather than by a launch of its own.
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -418,7 +421,10 @@ if triton is not None:
         q = _to_work(_landmark_tile(QL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
         k = _to_work(_landmark_tile(KL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
         _store_landmark_tile(DQL, bh, tl.dot(ds, k, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
-        _store_landmark_tile(DKL, bh, tl.dot(tl.trans(ds), q, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
+        dkl = tl.dot(tl.trans(ds), q, input_precision=OUTER)
+        if HAS_DKL_ADD:
+            dkl += _to_work(_landmark_tile(DKL_ADD, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+        _store_landmark_tile(DKL, bh, dkl, M, D, BLOCK, BLOCK_D)
 
     @triton.jit
     def _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D, scale,
@@ -489,10 +495,12 @@ if triton is not None:
 
     @triton.jit
     def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, WF,
-                       DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, H, N, M, D, scale,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
-                       PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, KEEP, DKL, H, N, M, D, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                       TILES: tl.constexpr, PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       HAS_SEG: tl.constexpr):
         # For TILES blocks of keys: dK and dV (written), and this program's partial sum of dQ̃ (summed in PyTorch).
+        # HAS_SEG (the one-node layer): dK also gets the landmark means' share, keep · DKL[segment] / its length
+        # (DKL: K̃'s whole gradient) — K's gradient written once, with no segment-means backward pass over it.
         bh, b, h = _batch_head(H)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
@@ -514,6 +522,13 @@ if triton is not None:
             dp = tl.dot(dw, tl.trans(v), input_precision=PREC).to(dql.dtype)
             ds = p * (dp - delta[:, None])
             dk = tl.dot(tl.trans(ds.to(ql.dtype)), ql, input_precision=PREC) * scale
+            if HAS_SEG:
+                # 32-bit offsets into the (b·h, m, d) landmark gradient: fewer registers than 64-bit ones
+                seg = ((keys.to(tl.int64) * M) // N).to(tl.int32)
+                count = ((seg + 1).to(tl.int64) * N + M - 1) // M - (seg.to(tl.int64) * N + M - 1) // M
+                kp = tl.load(KEEP + b * N + keys, mask=keys < N, other=0.0).to(dk.dtype)
+                dkl = tl.load(DKL + (bh * M + seg[:, None]) * D + cols[None, :], mask=m2, other=0.0).to(dk.dtype)
+                dk += dkl * (kp / count.to(dk.dtype))[:, None]
             tl.store(DK + b * sgkb + h * sgkh + k64 * sgkn + cols[None, :] * sgkd, dk, mask=m2)
             dql += tl.dot(ds.to(k.dtype), k, input_precision=PREC).to(dql.dtype) * scale
         _store_partial(DQL_P, dql, bh, BLOCK_M, BLOCK_D)
@@ -604,12 +619,13 @@ if triton is not None:
         tl.store(OUT + (bh.to(tl.int64) * M + i) * D + cols, mean, mask=cols < D)
 
     @triton.jit
-    def _segmeans_bwd_kernel(G, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N, M, D,
-                             HAS_ADD: tl.constexpr, MASK_ADD: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+    def _segmeans_bwd_kernel(G, G2, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N, M, D,
+                             HAS_G2: tl.constexpr, HAS_ADD: tl.constexpr, MASK_ADD: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
         # GX[b,h,p,:] = keep[b,p] * G[b,h,i,:] / len(segment i)  (+ ADD[b,h,p,:], times keep[b,p] if MASK_ADD),
         # i = floor(p·M/N): the input-sized gradient written once, with the gradient of the input's other use
-        # (ADD) folded in instead of autograd's separate accumulation pass.
+        # (ADD) folded in instead of autograd's separate accumulation pass. HAS_G2: the landmarks' gradient is
+        # G + G2 (their two uses), added here rather than by a launch of its own.
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
@@ -620,13 +636,17 @@ if triton is not None:
         count = ((seg + 1) * N + M - 1) // M - (seg * N + M - 1) // M
         m2 = rmask[:, None] & (cols[None, :] < D)
         kp = tl.load(KEEP + b * N + rows, mask=rmask, other=0.0)
-        g = tl.load(G + (bh.to(tl.int64) * M + seg[:, None]) * D + cols[None, :], mask=m2, other=0.0)
+        landmark = (bh.to(tl.int64) * M + seg[:, None]) * D + cols[None, :]
+        g = tl.load(G + landmark, mask=m2, other=0.0)
         if IS_F64:
+            g = g.to(tl.float64)
             kp = kp.to(tl.float64)
-            out = g.to(tl.float64) * (kp / count.to(tl.float64))[:, None]
         else:
+            g = g.to(tl.float32)
             kp = kp.to(tl.float32)
-            out = g.to(tl.float32) * (kp / count.to(tl.float32))[:, None]
+        if HAS_G2:
+            g += tl.load(G2 + landmark, mask=m2, other=0.0).to(g.dtype)
+        out = g * (kp / count.to(g.dtype))[:, None]
         if HAS_ADD:
             add = tl.load(ADD + b * sab + h * sah + rows[:, None].to(tl.int64) * san + cols[None, :] * sad,
                           mask=m2, other=0.0).to(out.dtype)
@@ -873,7 +893,9 @@ def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep):
     return out, zs
 
 
-def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w):
+def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None, dk_land_add=None):
+    """The core's backward: dQ̃, dK̃ (+ ``dk_land_add``, K̃'s gradient from its other use, when given; both in
+    ``land_dtype``, default the landmarks' own) and dW (None without W)."""
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
@@ -890,10 +912,13 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w)
                                dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
                                HAS_W=has_w, KEPT=kept, TRANSPOSED=PINV_BACKWARD_TRANSPOSED,
                                num_warps=_core_warps(m, d), **c)
-    dq_land, dk_land = torch.empty_like(q_land), torch.empty_like(k_land)
+    land = dict(device=q_land.device, dtype=land_dtype or q_land.dtype)
+    dq_land, dk_land = torch.empty(q_land.shape, **land), torch.empty(k_land.shape, **land)
     c.pop("PREC")
-    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
-                                       d ** -0.5, num_warps=_core_warps(m, d), **c)
+    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land,
+                                       dk_land_add.contiguous() if dk_land_add is not None else dk_land, m, d, b * h,
+                                       d ** -0.5, HAS_DKL_ADD=dk_land_add is not None, num_warps=_core_warps(m, d),
+                                       **c)
     return dq_land, dk_land, dw
 
 
@@ -1048,6 +1073,19 @@ def _lq_backward_fake(q_land, k, v, key_bias, out, lse, g):
 @_opaque(_lq_backward_fake)
 def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor],
                  out: torch.Tensor, lse: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dql, dk, dv = lq_backward_raw(q_land, k, v, key_bias, out, lse, g)
+    return dql.to(q_land.dtype), dk, dv
+
+
+def _partial_sum(parts: torch.Tensor, shape) -> torch.Tensor:
+    """Per-program partial sums (b·h, programs, BLOCK_M, BLOCK_D) added up: (b, h, m, d), contiguous."""
+    b, h, m, d = shape
+    return parts.sum(1)[:, :m, :d].reshape(b, h, m, d).contiguous()
+
+
+def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
+    """Pass 1's backward, no autograd: dQ̃ (in the accumulation dtype), dK, dV. ``seg`` = (keep, dk_land): also add
+    the landmark means' gradient keep · dk_land[segment] / length into dK (the one-node layer)."""
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -1058,10 +1096,12 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
+    keep, dk_land = (seg[0], seg[1].contiguous()) if seg is not None else (k, k)  # HAS_SEG false: never read
     _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), g,
-                                   lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p, h, n,
-                                   m, d, d ** -0.5, TILES=tiles, HAS_BIAS=key_bias is not None, **c)
-    return dql_p.sum(1)[:, :m, :d].reshape(b, h, m, d).to(q_land.dtype).contiguous(), dk, dv
+                                   lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p,
+                                   keep, dk_land, h, n, m, d, d ** -0.5, TILES=tiles,
+                                   HAS_BIAS=key_bias is not None, HAS_SEG=seg is not None, **c)
+    return _partial_sum(dql_p, (b, h, m, d)), dk, dv
 
 
 class _LandmarkQueriesAttention(torch.autograd.Function):
@@ -1115,6 +1155,12 @@ def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: t
                                          zw.new_empty(zw.shape)))
 def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor,
                  g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dkl, dzw = lk_backward_raw(q, keep, k_land, zw, g)
+    return dq, dkl.to(k_land.dtype), dzw.to(zw.dtype)
+
+
+def lk_backward_raw(q, keep, k_land, zw, g):
+    """Pass 2's backward, no autograd: dQ (× keep, in q's layout), dK̃ and d(ZW) (in the accumulation dtype)."""
     b, h, n, d = q.shape
     m = k_land.shape[-2]
     c = _lk_consts(q, m, backward=True)
@@ -1128,9 +1174,7 @@ def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: 
                                    *g.stride(), dq, *dq.stride(), parts[0], parts[1], h, n, m, d, d ** -0.5,
                                    TILES=tiles, IS_F64=acc == torch.float64, num_warps=8, **c)
     sums = parts.sum(2)[:, :, :m, :d]
-    dkl = sums[0].reshape(b, h, m, d).to(k_land.dtype).contiguous()
-    dzw = sums[1].reshape(b, h, m, d).to(zw.dtype).contiguous()
-    return dq, dkl, dzw
+    return dq, sums[0].reshape(b, h, m, d).contiguous(), sums[1].reshape(b, h, m, d).contiguous()
 
 
 class _LandmarkKeysAttention(torch.autograd.Function):
@@ -1178,20 +1222,21 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tens
 
 def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.Tensor | None = None,
                        mask_add: bool = False, like: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """The input gradient of ``segment_means_raw`` for the landmark gradient g (b, h, m, d), plus ``add``
-    (× keep if ``mask_add``) when given, in one pass; written with the strides of ``like`` (a tensor, e.g. on
-    the meta device, of the input's layout; default contiguous), or into ``out`` (which may be ``add``: each
-    element is read and then written by the same program)."""
+                       out: torch.Tensor | None = None, g2: torch.Tensor | None = None) -> torch.Tensor:
+    """The input gradient of ``segment_means_raw`` for the landmark gradient g (b, h, m, d) (+ ``g2``, same shape,
+    when given), plus ``add`` (× keep if ``mask_add``) when given, in one pass; written with the strides of
+    ``like`` (a tensor, e.g. on the meta device, of the input's layout; default contiguous), or into ``out``
+    (which may be ``add``: each element is read and then written by the same program)."""
     b, h, m, d = g.shape
     g = g.contiguous()
+    g2 = g2.contiguous() if g2 is not None else None
     gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
     block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
     astr = add.stride() if add is not None else (0, 0, 0, 0)
     _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](
-        g, keep.contiguous(), add if add is not None else g, *astr, gx, *gx.stride(), h, n, m, d,
-        HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d),
-        IS_F64=g.dtype == torch.float64)
+        g, g2 if g2 is not None else g, keep.contiguous(), add if add is not None else g, *astr, gx, *gx.stride(),
+        h, n, m, d, HAS_G2=g2 is not None, HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(d), IS_F64=g.dtype == torch.float64)
     return gx
 
 
@@ -1336,3 +1381,90 @@ def conv_add(v: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, res=None
     if res is not None and res.shape != v.shape:
         raise ValueError("conv_add: res must have v's shape")
     return _ConvAdd.apply(v, keep, weight, res)
+
+
+# ----------------------------------------------------------------------------------------------- the whole layer
+# Training with NYSTROM_TRITON=all runs the layer (landmarks < n, m ≤ 64, init="original") as one autograd node,
+# nystrom_fast._TritonNystrom, whose forward and backward are the two functions below: the kernels above in a fixed
+# order, with no autograd inside. Q, K and V are each used twice (Q: pass 2 and the landmark means; K: pass 1 and
+# the means; V: pass 1 and the conv); the backward writes each input's gradient once, the other use's share added
+# in the same kernel: dQ = keep·(dQ_pass2 + the means' gradient) in the segment-means kernel, dK = dK_pass1 +
+# keep·the means' gradient in pass 1's backward, dV = dV_pass1 + keep·conv_T(g) in the conv kernel. The landmarks'
+# gradients from their two uses are added, in the accumulation dtype, by the kernels that read them. Under
+# torch.compile both are custom ops, so the compiled step (CUDA graphs included) runs the same node.
+# dK's segment-means share is added inside pass 1's backward for inputs of at most this many bytes per element, and
+# by the segment-means backward kernel (one more pass over dK) for wider ones: with it, pass 1's fp32 backward
+# spills 256 B per thread (32 B without; ptxas, sm_90, bench/triton_compile_report.py), its bf16 one none.
+K_MEANS_GRAD_IN_PASS_1_MAX_BYTES = 2
+
+
+def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision):
+    b, h, n, d = q.shape
+    acc = _acc_dtype(q.dtype)
+    land = (b, h, m, d)
+    q_land = q.new_empty(land)
+    return (torch.empty_like(q), q_land, k.new_empty(land), q.new_empty(land, dtype=acc),
+            q.new_empty((b, h, m), dtype=acc), q.new_empty(land), q.new_empty(land), q.new_empty((b, h), dtype=acc),
+            q.new_empty((b, h, m), dtype=acc), q.new_empty(_kept_shape(q_land, iters, True), dtype=acc))
+
+
+@_opaque(_layer_forward_fake)
+def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                   key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], m: int, iters: int,
+                   precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype), pass 1's
+    log-sum-exp, W (inputs' dtype), Z·W, the core's batch statistics and kept iterates."""
+    q_land = segment_means_raw(q, keep, m)
+    k_land = segment_means_raw(k, keep, m)
+    w_acc, lse, w = _lq_forward(q_land, k, v, key_bias)
+    stat, cols = _core_stats(q_land, k_land)
+    zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, True)
+    out = _lk_forward(q, keep, k_land, zw)
+    if taps is not None:  # in place: each element of pass 2's output is read, then written, by one program
+        conv_raw(v, keep, taps, out, in_mask=True, out_mask=False, out=out)
+    return out, q_land, k_land, w_acc, lse, w, zw, stat, cols, zs
+
+
+def _layer_backward_fake(q, k, v, keep, key_bias, taps, q_land, k_land, w_acc, lse, w, zw, stat, cols, zs, g,
+                         iters, precision, need_q, need_v, need_taps):
+    dtaps = stat.new_empty(taps.shape) if taps is not None and need_taps else stat.new_empty(0)
+    return (torch.empty_like(q) if need_q else q.new_empty(0), torch.empty_like(k),
+            torch.empty_like(v) if need_v else v.new_empty(0), dtaps)
+
+
+@_opaque(_layer_backward_fake)
+def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], q_land: torch.Tensor,
+                    k_land: torch.Tensor, w_acc: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, zw: torch.Tensor,
+                    stat: torch.Tensor, cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
+                    precision: str, need_q: bool, need_v: bool,
+                    need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV in their inputs' layouts and d(taps) (h, k) in the accumulation dtype, from the output gradient g
+    (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made)."""
+    n = q.shape[-2]
+    dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g)
+    dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision, has_w=True,
+                                         land_dtype=stat.dtype, dk_land_add=dkl_pass2)
+    fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
+    dql_pass1, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
+                                        seg=(keep, dk_land) if fuse_k else None)
+    if not fuse_k:
+        segment_means_grad(dk_land, keep, n, add=dk, out=dk)
+    if need_q:
+        segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq, g2=dql_pass1)
+    if taps is not None and need_v:
+        conv_raw(g, keep, taps, dv, in_mask=False, out_mask=True, out=dv, flip=True)
+    dtaps = stat.new_empty(0)
+    if taps is not None and need_taps:
+        dtaps = conv_weight_grad_mm(v, keep, g, (taps.shape[0], 1, taps.shape[1], 1)).reshape(taps.shape)
+    return dq if need_q else q.new_empty(0), dk, dv if need_v else v.new_empty(0), dtaps
+
+
+def layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision):
+    _check()
+    return _layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision)
+
+
+def layer_backward(*saved_and_g, iters, precision, need_q, need_v, need_taps):
+    return _layer_backward(*saved_and_g, iters, precision, need_q, need_v, need_taps)
