@@ -86,6 +86,7 @@ def main() -> None:
                    help="run the first N failing cases again under compute-sanitizer memcheck")
     args = p.parse_args()
     if args.case:
+        os.environ["NYSTROM_TRITON"] = "all"  # the kernels this script is for ("layer-fused" needs it)
         from nystromformer.attention import nystrom_triton as nt
         plain = nt._lq_consts, nt._core_warps
         for spec in args.case:

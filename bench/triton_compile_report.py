@@ -78,7 +78,8 @@ def configs(dt: str, prec: str, wide: bool):
     for one_node in (False, True):  # the one-node layer adds K's segment-means gradient into dK
         yield ("pass 1 backward" + (" + K's segment-means gradient" if one_node else ""), nt._lq_bwd_kernel,
                dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
-                    **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", KEEP=p, DKL="*fp32", **dims),
+                    **strides("sgvb", "sgvh", "sgvn", "sgvd"), DQL_P="*fp32", KEEP=p, DKL="*fp32", DKL2="*fp32",
+                    **dims),
                dict(BLOCK_M=64, BLOCK_K=16 if wide else 32, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True,
                     HAS_SEG=one_node, **f64), 4 if wide else 8)
     core = dict(QL=p, KL=p)
@@ -103,12 +104,13 @@ def configs(dt: str, prec: str, wide: bool):
                             NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
                        dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept, TRANSPOSED=transposed),
                        nt.CORE_WARPS)
-    for one_node in (False, True):  # the one-node layer: fp32 landmark gradients, pass 2's dK̃ added in
+    for one_node in (False, True):  # the one-node layer keeps the landmark gradients in fp32
         t = "*fp32" if one_node else p
-        yield ("landmark core softmax backward" + (" + pass 2's dK̃" if one_node else ""), nt._core_softmax_bwd_kernel,
-               dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t,
-                    DKL_ADD="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
-               dict(**batch, **core_c, HAS_DKL_ADD=one_node), nt.CORE_WARPS)
+        yield ("landmark core softmax backward" + (", fp32 landmark gradients" if one_node else ""),
+               nt._core_softmax_bwd_kernel,
+               dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t, M=I32,
+                    D=I32, NBH=I32, scale="fp32"),
+               dict(**batch, **core_c), nt.CORE_WARPS)
     yield ("pass 2 forward", nt._lk_fwd_kernel, dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), **dims),
            dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec), 8)
     yield ("pass 2 backward", nt._lk_bwd_kernel,

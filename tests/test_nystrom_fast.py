@@ -724,7 +724,7 @@ def test_interp_model_gradients_with_the_kernels_match_the_reference(checkpointi
 
 
 @needs_interpreter
-def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_path(monkeypatch):
+def test_interp_partial_requires_grad_and_fused_backward_false_take_the_right_path(monkeypatch):
     monkeypatch.setenv("NYSTROM_TRITON", "all")
     att = layer(8, 5)
     (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=7)
@@ -736,7 +736,7 @@ def test_interp_partial_requires_grad_and_checkpointed_layers_take_the_right_pat
     for a, b in zip(torch.autograd.grad(out, (v, att.conv.weight), g),
                     torch.autograd.grad(ref, (v, att.conv.weight), g)):
         assert rel(a, b) < FP64_TOL
-    # Under activation checkpointing the layer uses the per-kernel autograd path, which checkpointing can free.
+    # fused_backward=False: the per-kernel autograd path, the same function.
     out = nystrom_fast.forward(q, k, v, mask, fused_backward=False, **kw)
     assert type(out.grad_fn).__name__ != "_TritonNystromBackward"
     assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL

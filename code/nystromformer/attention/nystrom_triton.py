@@ -403,12 +403,9 @@ if triton is not None:
         tl.store(NTIE + bh, tl.sum(tl.where(colsum == div, 1.0, 0.0), axis=0).to(NTIE.dtype.element_ty))
 
     @triton.jit
-    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, DKL_ADD, M, D, NBH, scale,
+    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, M, D, NBH, scale,
                                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                                 CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr,
-                                 HAS_DKL_ADD: tl.constexpr):
-        # HAS_DKL_ADD: DKL also gets K̃'s gradient from its other use (pass 2's, the one-node layer's), added here
-        # rather than by a launch of its own.
+                                 CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
@@ -421,10 +418,7 @@ if triton is not None:
         q = _to_work(_landmark_tile(QL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
         k = _to_work(_landmark_tile(KL, bh, M, D, BLOCK, BLOCK_D), IS_F64)
         _store_landmark_tile(DQL, bh, tl.dot(ds, k, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
-        dkl = tl.dot(tl.trans(ds), q, input_precision=OUTER)
-        if HAS_DKL_ADD:
-            dkl += _to_work(_landmark_tile(DKL_ADD, bh, M, D, BLOCK, BLOCK_D), IS_F64)
-        _store_landmark_tile(DKL, bh, dkl, M, D, BLOCK, BLOCK_D)
+        _store_landmark_tile(DKL, bh, tl.dot(tl.trans(ds), q, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
 
     @triton.jit
     def _scores_against_keys(ql, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, b, h, keys, N, D, scale,
@@ -495,12 +489,13 @@ if triton is not None:
 
     @triton.jit
     def _lq_bwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, DW, LSE, WF,
-                       DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, KEEP, DKL, H, N, M, D, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                       DK, sgkb, sgkh, sgkn, sgkd, DV, sgvb, sgvh, sgvn, sgvd, DQL_P, KEEP, DKL, DKL2, H, N, M, D,
+                       scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                        TILES: tl.constexpr, PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr,
                        HAS_SEG: tl.constexpr):
         # For TILES blocks of keys: dK and dV (written), and this program's partial sum of dQ̃ (summed in PyTorch).
-        # HAS_SEG (the one-node layer): dK also gets the landmark means' share, keep · DKL[segment] / its length
-        # (DKL: K̃'s whole gradient) — K's gradient written once, with no segment-means backward pass over it.
+        # HAS_SEG (the one-node layer): dK also gets the landmark means' share, keep · (DKL + DKL2)[segment] / its
+        # length (K̃'s gradients from its two uses) — K's gradient written once, with no segment-means pass over it.
         bh, b, h = _batch_head(H)
         cols = tl.arange(0, BLOCK_D)
         lm = tl.arange(0, BLOCK_M)
@@ -527,7 +522,9 @@ if triton is not None:
                 seg = ((keys.to(tl.int64) * M) // N).to(tl.int32)
                 count = ((seg + 1).to(tl.int64) * N + M - 1) // M - (seg.to(tl.int64) * N + M - 1) // M
                 kp = tl.load(KEEP + b * N + keys, mask=keys < N, other=0.0).to(dk.dtype)
-                dkl = tl.load(DKL + (bh * M + seg[:, None]) * D + cols[None, :], mask=m2, other=0.0).to(dk.dtype)
+                landmark = (bh * M + seg[:, None]) * D + cols[None, :]
+                dkl = (tl.load(DKL + landmark, mask=m2, other=0.0).to(dk.dtype)
+                       + tl.load(DKL2 + landmark, mask=m2, other=0.0).to(dk.dtype))
                 dk += dkl * (kp / count.to(dk.dtype))[:, None]
             tl.store(DK + b * sgkb + h * sgkh + k64 * sgkn + cols[None, :] * sgkd, dk, mask=m2)
             dql += tl.dot(ds.to(k.dtype), k, input_precision=PREC).to(dql.dtype) * scale
@@ -893,9 +890,8 @@ def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep):
     return out, zs
 
 
-def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None, dk_land_add=None):
-    """The core's backward: dQ̃, dK̃ (+ ``dk_land_add``, K̃'s gradient from its other use, when given; both in
-    ``land_dtype``, default the landmarks' own) and dW (None without W)."""
+def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None):
+    """The core's backward: dQ̃, dK̃ (in ``land_dtype``, default the landmarks' own) and dW (None without W)."""
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
@@ -915,10 +911,8 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w,
     land = dict(device=q_land.device, dtype=land_dtype or q_land.dtype)
     dq_land, dk_land = torch.empty(q_land.shape, **land), torch.empty(k_land.shape, **land)
     c.pop("PREC")
-    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land,
-                                       dk_land_add.contiguous() if dk_land_add is not None else dk_land, m, d, b * h,
-                                       d ** -0.5, HAS_DKL_ADD=dk_land_add is not None, num_warps=_core_warps(m, d),
-                                       **c)
+    _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
+                                       d ** -0.5, num_warps=_core_warps(m, d), **c)
     return dq_land, dk_land, dw
 
 
@@ -1084,8 +1078,8 @@ def _partial_sum(parts: torch.Tensor, shape) -> torch.Tensor:
 
 
 def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
-    """Pass 1's backward, no autograd: dQ̃ (in the accumulation dtype), dK, dV. ``seg`` = (keep, dk_land): also add
-    the landmark means' gradient keep · dk_land[segment] / length into dK (the one-node layer)."""
+    """Pass 1's backward, no autograd: dQ̃ (in the accumulation dtype), dK, dV. ``seg`` = (keep, dkl, dkl2): also add
+    the landmark means' gradient keep · (dkl + dkl2)[segment] / length into dK (the one-node layer)."""
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -1096,10 +1090,10 @@ def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     dql_p = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=lse.dtype)
-    keep, dk_land = (seg[0], seg[1].contiguous()) if seg is not None else (k, k)  # HAS_SEG false: never read
+    keep, dkl, dkl2 = (seg[0], seg[1].contiguous(), seg[2].contiguous()) if seg is not None else (k, k, k)
     _lq_bwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), g,
                                    lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p,
-                                   keep, dk_land, h, n, m, d, d ** -0.5, TILES=tiles,
+                                   keep, dkl, dkl2, h, n, m, d, d ** -0.5, TILES=tiles,  # HAS_SEG false: not read
                                    HAS_BIAS=key_bias is not None, HAS_SEG=seg is not None, **c)
     return _partial_sum(dql_p, (b, h, m, d)), dk, dv
 
@@ -1394,7 +1388,7 @@ def conv_add(v: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, res=None
 # torch.compile both are custom ops, so the compiled step (CUDA graphs included) runs the same node.
 # dK's segment-means share is added inside pass 1's backward for inputs of at most this many bytes per element, and
 # by the segment-means backward kernel (one more pass over dK) for wider ones: with it, pass 1's fp32 backward
-# spills 256 B per thread (32 B without; ptxas, sm_90, bench/triton_compile_report.py), its bf16 one none.
+# spills (ptxas, sm_90, bench/triton_compile_report.py: 32 B per thread without), its bf16 one does not.
 K_MEANS_GRAD_IN_PASS_1_MAX_BYTES = 2
 
 
@@ -1444,13 +1438,15 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made)."""
     n = q.shape[-2]
     dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g)
-    dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision, has_w=True,
-                                         land_dtype=stat.dtype, dk_land_add=dkl_pass2)
+    # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
+    # (ptxas, sm_90; 1,712 vs 1,364 B) for a gradient ~4% more accurate
+    dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw.to(zw.dtype), iters, precision,
+                                         has_w=True, land_dtype=stat.dtype)
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
     dql_pass1, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
-                                        seg=(keep, dk_land) if fuse_k else None)
+                                        seg=(keep, dk_land, dkl_pass2) if fuse_k else None)
     if not fuse_k:
-        segment_means_grad(dk_land, keep, n, add=dk, out=dk)
+        segment_means_grad(dk_land, keep, n, add=dk, out=dk, g2=dkl_pass2)
     if need_q:
         segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq, g2=dql_pass1)
     if taps is not None and need_v:
