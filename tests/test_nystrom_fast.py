@@ -7,7 +7,6 @@
   process they show as skipped and one driver test runs them.
 * GPU (``-m gpu``): the CUDA path in bf16 and fp32 against the reference on fp64 copies; skipped without CUDA.
 """
-import gc
 import os
 import subprocess
 import sys
