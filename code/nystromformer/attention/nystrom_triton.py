@@ -1386,6 +1386,7 @@ def conv_add(v: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, res=None
 # keep·the means' gradient in pass 1's backward, dV = dV_pass1 + keep·conv_T(g) in the conv kernel. The landmarks'
 # gradients from their two uses are added, in the accumulation dtype, by the kernels that read them. Under
 # torch.compile both are custom ops, so the compiled step (CUDA graphs included) runs the same node.
+
 # dK's segment-means share is added inside pass 1's backward for inputs of at most this many bytes per element, and
 # by the segment-means backward kernel (one more pass over dK) for wider ones: with it, pass 1's fp32 backward
 # spills (ptxas, sm_90, bench/triton_compile_report.py: 32 B per thread without), its bf16 one does not.
