@@ -10,14 +10,16 @@ one operator either way here).
 
     python bench/launch_count.py                 # n = 512, 64 landmarks, conv 33, 2 heads × 64
     python bench/launch_count.py --verbose       # and which operators
-    python bench/launch_count.py --host-time     # and the host's time outside the kernels
+    python bench/launch_count.py --host-time     # and the host's own work around the launches
 
 Prints one Markdown table: launches (aten / Triton) for softmax (SDPA) and the Nyström fast path with
 NYSTROM_TRITON=0, 1 and all, with a padding mask and with mask=None (rows without padding, as in pretraining).
 ``--host-time`` adds, per variant with Triton kernels, the host's own work around the launches: the median time of
 one forward + backward with each launch's body skipped (``kernel[grid](...)`` returns at once; the outputs are
 then garbage, but no step of this path depends on values), i.e. our Python, autograd, dispatch and the aten
-operators on these CPU tensors. What a launch itself costs a GPU's host comes on top, once per launch counted.
+operators on these CPU tensors. With NYSTROM_TRITON=1 those operators include the SDPA passes and the m × m
+products, computed on the CPU, so only the ``all`` rows are host work alone. What a launch itself costs a GPU's
+host comes on top, once per launch counted.
 A comparison between variants and commits on one machine, not a GPU host's figure.
 """
 from __future__ import annotations
