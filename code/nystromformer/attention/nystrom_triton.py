@@ -93,9 +93,20 @@ def _fits_device(index: int, element_size: int) -> bool:
     return props.get("max_shared_mem", need) >= need
 
 
+# Host-side integer helpers. Triton 3.6's triton.cdiv / triton.next_power_of_2 are constexpr functions whose
+# every host call unwraps its arguments (~2 µs each, about 50 a layer's forward + backward): plain Python here.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two ≥ n (n ≥ 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _block(m: int) -> int:
     """A tile side for m rows or columns: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(m))
+    return max(16, _pow2(m))
 
 
 if triton is not None:
@@ -851,7 +862,7 @@ def _core_consts(q_land: torch.Tensor, precision: str) -> dict:
     # PREC: the iteration's products (the pinv kernel's precision); OUTER: the products around it (Q̃K̃ᵀ, Z·W and
     # their gradients), near fp32 whatever the iteration's setting, as the PyTorch path's fp32 matmuls.
     return dict(BLOCK=_block(q_land.shape[-2]), BLOCK_D=_block(q_land.shape[-1]), BLOCK_S=CORE_BLOCK_S,
-                CHUNKS=triton.cdiv(nbh, CORE_BLOCK_S), PREC="ieee" if f64 else precision,
+                CHUNKS=_cdiv(nbh, CORE_BLOCK_S), PREC="ieee" if f64 else precision,
                 OUTER="ieee" if f64 else "tf32x3", IS_F64=f64)
 
 
@@ -1045,8 +1056,8 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q_land = q_land.contiguous()
     acc_t = _acc_dtype(q_land.dtype)
     c = _lq_consts(q_land, backward=False)
-    tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
-    nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
+    tiles = min(8, _cdiv(n, c["BLOCK_K"]))
+    nprog = _cdiv(n, c["BLOCK_K"] * tiles)
     acc = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
     mx = torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
     sm = torch.empty_like(mx)
@@ -1084,8 +1095,8 @@ def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
     n = k.shape[-2]
     q_land = q_land.contiguous()
     c = _lq_consts(q_land, backward=True)
-    tiles = min(8, triton.cdiv(n, c["BLOCK_K"]))
-    nprog = triton.cdiv(n, c["BLOCK_K"] * tiles)
+    tiles = min(8, _cdiv(n, c["BLOCK_K"]))
+    nprog = _cdiv(n, c["BLOCK_K"] * tiles)
     g = g.contiguous()
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -1139,7 +1150,7 @@ def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: t
     m = k_land.shape[-2]
     out = torch.empty_like(q)
     c = _lk_consts(q, m, backward=False)
-    _lk_fwd_kernel[(b * h, triton.cdiv(n, c["BLOCK_N"]))](q, *q.stride(), keep.contiguous(), k_land.contiguous(),
+    _lk_fwd_kernel[(b * h, _cdiv(n, c["BLOCK_N"]))](q, *q.stride(), keep.contiguous(), k_land.contiguous(),
                                                           zw.contiguous(), out, *out.stride(), h, n, m, d,
                                                           d ** -0.5, num_warps=8, **c)
     return out
@@ -1158,8 +1169,8 @@ def lk_backward_raw(q, keep, k_land, zw, g):
     b, h, n, d = q.shape
     m = k_land.shape[-2]
     c = _lk_consts(q, m, backward=True)
-    tiles = min(8, triton.cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
-    nprog = triton.cdiv(n, c["BLOCK_N"] * tiles)
+    tiles = min(8, _cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
+    nprog = _cdiv(n, c["BLOCK_N"] * tiles)
     acc = _acc_dtype(q.dtype)
     # Both gradients' per-program partials in one buffer: one sum over the programs for the two
     parts = torch.empty(2, b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
@@ -1207,10 +1218,10 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tens
     b, h, n, d = x.shape
     out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
     seg_len = -(-n // m)
-    block_n = max(1, min(64, triton.next_power_of_2(seg_len)))
+    block_n = max(1, min(64, _pow2(seg_len)))
     _segmeans_kernel[(b * h, m)](x, *x.stride(), keep.contiguous(), out, h, n, m, d,
-                                 NCHUNK=triton.cdiv(seg_len, block_n), BLOCK_N=block_n,
-                                 BLOCK_D=triton.next_power_of_2(d), IS_F64=x.dtype == torch.float64)
+                                 NCHUNK=_cdiv(seg_len, block_n), BLOCK_N=block_n,
+                                 BLOCK_D=_pow2(d), IS_F64=x.dtype == torch.float64)
     return out
 
 
@@ -1227,10 +1238,10 @@ def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.T
     gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
     block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
     astr = add.stride() if add is not None else (0, 0, 0, 0)
-    _segmeans_bwd_kernel[(b * h, triton.cdiv(n, block_n))](
+    _segmeans_bwd_kernel[(b * h, _cdiv(n, block_n))](
         g, g2 if g2 is not None else g, keep.contiguous(), add if add is not None else g, *astr, gx, *gx.stride(),
         h, n, m, d, HAS_G2=g2 is not None, HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d), IS_F64=g.dtype == torch.float64)
+        BLOCK_D=_pow2(d), IS_F64=g.dtype == torch.float64)
     return gx
 
 
@@ -1275,14 +1286,14 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=
     if out is None:
         out = _empty((b, h, n, d), like, dtype, x.device)
     block_n = 64
-    tiles = min(8, triton.cdiv(n, block_n))  # row tiles per program: the band is built once for them
+    tiles = min(8, _cdiv(n, block_n))  # row tiles per program: the band is built once for them
     # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
     prec = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(x.dtype, "tf32")
     rs = res.stride() if res is not None else (0, 0, 0, 0)
-    _dwconv_kernel[(b * h, triton.cdiv(n, block_n * tiles))](
+    _dwconv_kernel[(b * h, _cdiv(n, block_n * tiles))](
         x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks, FLIP=flip,
         IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
-        WIN=triton.next_power_of_2(block_n + ks - 1), BLOCK_D=_block(d), TILES=tiles,
+        WIN=_pow2(block_n + ks - 1), BLOCK_D=_block(d), TILES=tiles,
         PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
     return out
 
@@ -1293,11 +1304,11 @@ def conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weigh
     ks = weight_shape[2]
     g = g.contiguous()
     block_n = 64
-    nblk = triton.cdiv(n, block_n)
+    nblk = _cdiv(n, block_n)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     part = torch.empty(b * h, nblk, ks, device=v.device, dtype=acc)
     _dwconv_wgrad_kernel[(b * h, nblk)](v, *v.stride(), keep, g, part, h, n, d, KS=ks, BLOCK_N=block_n,
-                                        BLOCK_D=triton.next_power_of_2(d), IS_F64=acc == torch.float64)
+                                        BLOCK_D=_pow2(d), IS_F64=acc == torch.float64)
     return part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
 
@@ -1307,14 +1318,14 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     b, h, n, d = v.shape
     ks = weight_shape[2]
     block_n = 64
-    tiles = min(8, triton.cdiv(n, block_n))
-    nprog = triton.cdiv(n, block_n * tiles)
-    block_t = triton.next_power_of_2(ks)
+    tiles = min(8, _cdiv(n, block_n))
+    nprog = _cdiv(n, block_n * tiles)
+    block_t = _pow2(ks)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
     _dwconv_wgrad_mm_kernel[(b * h, nprog)](
         v, *v.stride(), keep, g, *g.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
-        WIN=triton.next_power_of_2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
+        WIN=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
         TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
     return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
