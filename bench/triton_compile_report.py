@@ -45,9 +45,11 @@ def configs(dt: str, prec: str, wide: bool):
         yield ("pinv backward" + (", transposed" if transposed else ""), nt._pinv_bwd_kernel,
                dict(A="*fp32", Z0="*fp32", G="*fp32", DA="*fp32", DZ0="*fp32", ZS="*fp32", m=I32),
                dict(ITERS=6, BLOCK=64, PREC=prec, TRANSPOSED=transposed), nt.PINV_WARPS_64[prec][1])
-    yield ("segment means", nt._segmeans_kernel,
-           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, OUT=p, H=I32, N=I32, M=I32, D=I32),
-           dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False), 4)
+    for pair in (False, True):  # the one-node layer's Q and K in one launch
+        yield ("segment means" + (", Q and K" if pair else ""), nt._segmeans_kernel,
+               dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), X2=p, **strides("s2b", "s2h", "s2n", "s2d"), KEEP=p,
+                    OUT=p, OUT2=p, H=I32, N=I32, M=I32, D=I32),
+               dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False, HAS_X2=pair), 4)
     for one_node in (False, True):  # the one-node layer reads the landmarks' two gradients (fp32) and adds them
         g = "*fp32" if one_node else p
         yield ("segment means backward" + (", two landmark gradients" if one_node else ""), nt._segmeans_bwd_kernel,
@@ -70,8 +72,11 @@ def configs(dt: str, prec: str, wide: bool):
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
                 PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
-    yield ("pass 1 forward", nt._lq_fwd_kernel, dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", **dims),
-           dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True, **f64), 8)
+    for finish in (False, True):  # one program per (batch, head): it writes W itself, no combine launch
+        yield ("pass 1 forward" + (", one program (writes W)" if finish else ""), nt._lq_fwd_kernel,
+               dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", **dims),
+               dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True,
+                    FINISH=finish, **f64), 8)
     yield ("pass 1 combine", nt._lq_combine_kernel,
            dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
            dict(NPROG=128, BLOCK_M=64, BLOCK_D=64), 4)                                 # n = 65,536 at bf16

@@ -311,6 +311,20 @@ def test_interp_segment_means_kernel(n, m):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("n,m", [(67, 8), (130, 16)])
+def test_interp_segment_means_of_two_inputs_in_one_launch_are_each_inputs_means(n, m):
+    # The one-node layer's Q and K landmarks come from one launch; the second input may have other strides
+    from nystromformer.attention import nystrom_triton
+    (x, _, _), mask = inputs(2, n, pad=(0, 9), seed=n)
+    keep = mask.double()
+    x2 = torch.randn(2, H, n, D, dtype=torch.float64)                      # contiguous, unlike x
+    pair = nystrom_triton.segment_means_raw(x.detach(), keep, m, x2=x2)
+    assert torch.equal(pair[0], nystrom_triton.segment_means_raw(x.detach(), keep, m))
+    assert torch.equal(pair[1], nystrom_triton.segment_means_raw(x2, keep, m))
+    assert rel(pair[1], segment_means(x2 * keep[:, None, :, None], m)) < 1e-13
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n,ks,res", [(37, 5, True), (70, 33, False), (20, 33, True)])
 def test_interp_conv_kernel(n, ks, res):
     from nystromformer.attention import nystrom_triton
@@ -672,6 +686,55 @@ def test_interp_one_node_adds_the_k_means_gradient_in_pass_1_or_in_a_pass_of_its
 
 
 @needs_interpreter
+@pytest.mark.parametrize("n,programs", [(67, 1), (600, "several")])
+def test_interp_one_node_with_one_program_per_row_launches_no_combine_and_no_sum_of_partials(n, programs,
+                                                                                             monkeypatch):
+    # Pass 1's forward and both passes' backwards split the sequence over programs and add up their partials.
+    # When one program covers the sequence (fp64: n ≤ 256 here; bf16: n ≤ 512) it writes W itself and its
+    # partial is the sum: a combine launch and two sums fewer, the same gradients as the reference.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    combines, combine = [], nt._lq_combine_kernel
+    monkeypatch.setattr(nt, "_lq_combine_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: combines.append(grid) or combine[grid]})())
+    sums = []
+
+    class CountSums(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "sum":
+                sums.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
+
+    att = layer(8, 5)
+    qkv, _ = inputs(1, n, seed=n)
+    with CountSums():
+        compare(att, qkv, None, use_triton=True, tol=FP64_TOL)
+    tile = (nt._block(8), nt._block(D))       # partials: (b·h, programs, tile) for dQ̃; (2, b·h, programs, tile)
+    per_program = [s for s in sums if len(s) in (4, 5) and s[-2:] == tile]
+    if programs == 1:
+        assert combines == [] and per_program == []
+    else:
+        assert len(combines) == 1 and len(per_program) == 2, sums
+
+
+@needs_interpreter
+def test_interp_a_run_under_inference_mode_does_not_break_training_after_it(monkeypatch):
+    # Rows without padding share one cached all-ones keep vector per shape; one made under inference_mode
+    # cannot be saved for a backward, so training after an evaluation (GLUE's loop) gets its own.
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    att = layer(8, 5)
+    (q, k, v), _ = inputs(2, 67, seed=3)
+    kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    with torch.inference_mode():
+        evaluated = nystrom_fast.forward(q.detach(), k.detach(), v.detach(), None, **kw)
+    trained = nystrom_fast.forward(q, k, v, None, **kw)
+    assert type(trained.grad_fn).__name__ == "_TritonNystromBackward"
+    assert torch.equal(evaluated, trained.detach())
+    torch.autograd.grad(trained, (q, k, v), torch.randn_like(trained))
+
+
+@needs_interpreter
 def test_interp_one_node_backs_up_twice_with_retain_graph_and_under_activation_checkpointing(monkeypatch):
     # The node saves what its backward reads as any node does: a second backward gives the same gradients, and
     # under activation checkpointing it is recomputed once in the backward, as any node.
@@ -790,6 +853,26 @@ def test_interp_landmark_queries_kernel_is_sdpa_with_the_key_bias(n, m, dtype):
     out = nystrom_triton.landmark_queries_attention(q_land, k, v, None)
     ref = F.scaled_dot_product_attention(q_land, k, v)
     _same_function_and_gradients(out, ref, (q_land, k, v), dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n", [67, 600], ids=["one-program", "several-programs"])
+def test_interp_pass_2_backward_gives_d_zw_in_the_dtype_asked_for_rounded_once(n):
+    # The one-node layer asks for d(ZW) in ZW's dtype (bf16 in training): with one program per (batch, head) the
+    # kernel stores it so itself (no cast launch), else the fp32 sum over programs is cast
+    from nystromformer.attention import nystrom_triton as nt
+    g = torch.Generator().manual_seed(n)
+    q = _random(2, n, 3, 16, dtype=torch.float32, g=g, transposed=True).detach()
+    k_land, zw = torch.randn(2, 3, 8, 16, generator=g), torch.randn(2, 3, 8, 16, generator=g)
+    keep, grad = torch.ones(2, n), torch.randn(2, 3, n, 16, generator=g)
+    dq, dkl, dzw = nt.lk_backward_raw(q, keep, k_land, zw, grad)
+    dq16, dkl16, dzw16 = nt.lk_backward_raw(q, keep, k_land, zw, grad, dzw_dtype=torch.bfloat16)
+    assert dzw.dtype == dkl.dtype == dkl16.dtype == torch.float32 and dzw16.dtype == torch.bfloat16
+    assert torch.equal(dq16, dq) and torch.equal(dkl16, dkl)
+    # rounded once: on a GPU to nearest, as .to() (Triton's fp32 → bf16 conversion); the interpreter truncates
+    assert ((dzw16.float() - dzw).abs() <= dzw.abs() * 2 ** -7).all()
+    if n == 600:
+        assert torch.equal(dzw16, dzw.to(torch.bfloat16))
 
 
 def _landmark_middle(q_land, k_land, w, iters=6):

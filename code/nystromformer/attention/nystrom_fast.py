@@ -145,7 +145,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
         bias = (1.0 - keep) * has_token * torch.finfo(dtype).min               # (b, n), added to key scores
     masked = (lambda t: t) if keep is None else (lambda t: t * keep[:, None, :, None])  # noqa: E731
     # The kernels read a (b, n) keep vector whether or not there is padding (b·n bytes: nothing to save).
-    kernel_keep = (keep if keep is not None else q.new_ones(b, n)) if use_triton else None
+    kernel_keep = (keep if keep is not None else _all_ones(b, n, q)) if use_triton else None
     all_kernels = use_triton and triton_mode() == "all"
     attention_kernels = all_kernels and num_landmarks <= MAX_LANDMARKS
     if fused_backward is None:
@@ -179,6 +179,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
             return conv_add(v, kernel_keep, conv_weight, out)
         out = out + depthwise_conv(masked(v), conv_weight)
     return out
+
+
+_ALL_ONES: dict = {}
+
+
+def _all_ones(b: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """A (b, n) keep vector of ones in ``like``'s dtype and device, made once per shape and shared by every layer
+    and step: a fill launch fewer per layer. The kernels only read it. Under torch.compile a fresh one (traced)."""
+    if torch.compiler.is_compiling():
+        return like.new_ones(b, n)
+    # inference tensors (made under torch.inference_mode) cannot be saved for a backward: kept apart
+    key = (b, n, like.dtype, like.device, torch.is_inference_mode_enabled())
+    ones = _ALL_ONES.get(key)
+    if ones is None:
+        if len(_ALL_ONES) >= 16:  # a few shapes in a run (training, dev evaluation): never grows without bound
+            _ALL_ONES.clear()
+        ones = _ALL_ONES[key] = like.new_ones(b, n)
+    return ones
 
 
 def _key_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

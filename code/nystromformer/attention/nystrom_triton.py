@@ -448,12 +448,15 @@ if triton is not None:
         return k, v, tl.where(kmask[None, :], s, float("-inf"))
 
     @triton.jit
-    def _lq_fwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, ACC, MAX, SUM, H, N, M, D, scale,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr,
-                       PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _lq_fwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, ACC, MAX, SUM, OUT, OUT_LOW, LSE,
+                       H, N, M, D, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                       TILES: tl.constexpr, PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       FINISH: tl.constexpr):
         # Pass 1, split over keys: the m landmark queries against TILES blocks of keys with an online softmax;
-        # this program's (running max, sum, weighted V) go to ACC/MAX/SUM and are combined in PyTorch. At long n
+        # this program's (running max, sum, weighted V) go to ACC/MAX/SUM for _lq_combine_kernel. At long n
         # and small batch this puts n / (BLOCK_K·TILES) programs on each (batch, head) instead of one.
+        # FINISH (one program per (batch, head), e.g. n = 512 in bf16): it writes what the combine would, W in
+        # OUT (fp32) and OUT_LOW (the inputs' dtype), its log-sum-exp in LSE — one launch fewer.
         bh, b, h = _batch_head(H)
         lm = tl.arange(0, BLOCK_M)
         ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
@@ -470,10 +473,16 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC).to(acc.dtype)
             m_i = m_new
-        _store_partial(ACC, acc, bh, BLOCK_M, BLOCK_D)
-        part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        tl.store(MAX + part * BLOCK_M + lm, m_i)
-        tl.store(SUM + part * BLOCK_M + lm, l_i)
+        if FINISH:
+            out = acc / l_i[:, None]
+            _store_landmark_tile(OUT, bh, out, M, D, BLOCK_M, BLOCK_D)
+            _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
+            tl.store(LSE + bh.to(tl.int64) * M + lm, m_i + tl.log(l_i), mask=lm < M)
+        else:
+            _store_partial(ACC, acc, bh, BLOCK_M, BLOCK_D)
+            part = bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+            tl.store(MAX + part * BLOCK_M + lm, m_i)
+            tl.store(SUM + part * BLOCK_M + lm, l_i)
 
     @triton.jit
     def _lq_combine_kernel(ACC, MAX, SUM, OUT, OUT_LOW, LSE, M, D, NPROG: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -602,8 +611,11 @@ if triton is not None:
         _store_partial(DZW_P, dzw, bh, BLOCK_M, BLOCK_D)
 
     @triton.jit
-    def _segmeans_kernel(X, sxb, sxh, sxn, sxd, KEEP, OUT, H, N, M, D, NCHUNK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+    def _segmeans_kernel(X, sxb, sxh, sxn, sxd, X2, s2b, s2h, s2n, s2d, KEEP, OUT, OUT2, H, N, M, D,
+                         NCHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr,
+                         HAS_X2: tl.constexpr):
+        # OUT[b,h,i,:] = mean of X·keep over segment i; HAS_X2: the same for X2 into OUT2 (the one-node layer's Q
+        # and K: one launch, the keep vector read once).
         bh = tl.program_id(0)
         i = tl.program_id(1)
         b = (bh // H).to(tl.int64)
@@ -611,20 +623,27 @@ if triton is not None:
         start = (i * N + M - 1) // M
         end = ((i + 1) * N + M - 1) // M
         cols = tl.arange(0, BLOCK_D)
-        base = X + b * sxb + h * sxh
         if IS_F64:
             acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float64)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        acc2 = tl.zeros_like(acc)
         for c in range(NCHUNK):  # constexpr trip count (segments are at most NCHUNK * BLOCK_N long)
             rows = start + c * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = rows < end
-            x = tl.load(base + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
-                        mask=valid[:, None] & (cols[None, :] < D), other=0.0)
-            kp = tl.load(KEEP + b * N + rows, mask=valid, other=0.0)
-            acc += x.to(acc.dtype) * kp[:, None].to(acc.dtype)
-        mean = tl.sum(acc, axis=0) / (end - start)
-        tl.store(OUT + (bh.to(tl.int64) * M + i) * D + cols, mean, mask=cols < D)
+            m2 = valid[:, None] & (cols[None, :] < D)
+            kp = tl.load(KEEP + b * N + rows, mask=valid, other=0.0)[:, None].to(acc.dtype)
+            x = tl.load(X + b * sxb + h * sxh + rows[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                        mask=m2, other=0.0)
+            acc += x.to(acc.dtype) * kp
+            if HAS_X2:
+                x2 = tl.load(X2 + b * s2b + h * s2h + rows[:, None].to(tl.int64) * s2n + cols[None, :] * s2d,
+                             mask=m2, other=0.0)
+                acc2 += x2.to(acc.dtype) * kp
+        at = (bh.to(tl.int64) * M + i) * D + cols
+        tl.store(OUT + at, tl.sum(acc, axis=0) / (end - start), mask=cols < D)
+        if HAS_X2:
+            tl.store(OUT2 + at, tl.sum(acc2, axis=0) / (end - start), mask=cols < D)
 
     @triton.jit
     def _segmeans_bwd_kernel(G, G2, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N, M, D,
@@ -1058,16 +1077,19 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     c = _lq_consts(q_land, backward=False)
     tiles = min(8, _cdiv(n, c["BLOCK_K"]))
     nprog = _cdiv(n, c["BLOCK_K"] * tiles)
-    acc = torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
-    mx = torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
-    sm = torch.empty_like(mx)
-    _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), acc, mx, sm,
-                                   h, n, m, d, d ** -0.5, TILES=tiles, HAS_BIAS=key_bias is not None, **c)
     out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
     out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype)  # a copy even if the same dtype
     lse = torch.empty(b, h, m, device=k.device, dtype=acc_t)
-    _lq_combine_kernel[(b * h,)](acc, mx, sm, out, out_low, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"],
-                                 BLOCK_D=c["BLOCK_D"], num_warps=4)
+    finish = nprog == 1  # the one program writes W itself (FINISH: the partials are never read)
+    acc = out if finish else torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
+    mx = lse if finish else torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
+    sm = lse if finish else torch.empty_like(mx)
+    _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), acc, mx, sm,
+                                   out, out_low, lse, h, n, m, d, d ** -0.5, TILES=tiles,
+                                   HAS_BIAS=key_bias is not None, FINISH=finish, **c)
+    if not finish:
+        _lq_combine_kernel[(b * h,)](acc, mx, sm, out, out_low, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"],
+                                     BLOCK_D=c["BLOCK_D"], num_warps=4)
     return out, lse, out_low
 
 
@@ -1083,9 +1105,11 @@ def _lq_backward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bia
 
 
 def _partial_sum(parts: torch.Tensor, shape) -> torch.Tensor:
-    """Per-program partial sums (b·h, programs, BLOCK_M, BLOCK_D) added up: (b, h, m, d), contiguous."""
+    """Per-program partial sums (b·h, programs, BLOCK_M, BLOCK_D) added up: (b, h, m, d), contiguous (with one
+    program, e.g. n = 512, the partial itself: a launch fewer)."""
     b, h, m, d = shape
-    return parts.sum(1)[:, :m, :d].reshape(b, h, m, d).contiguous()
+    total = parts[:, 0] if parts.shape[1] == 1 else parts.sum(1)
+    return total[:, :m, :d].reshape(b, h, m, d).contiguous()
 
 
 def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
@@ -1160,26 +1184,37 @@ def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: t
                                          zw.new_empty(zw.shape)))
 def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor,
                  g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dkl, dzw = lk_backward_raw(q, keep, k_land, zw, g)
-    return dq, dkl.to(k_land.dtype), dzw.to(zw.dtype)
+    dq, dkl, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
+    return dq, dkl.to(k_land.dtype), dzw
 
 
-def lk_backward_raw(q, keep, k_land, zw, g):
-    """Pass 2's backward, no autograd: dQ (× keep, in q's layout), dK̃ and d(ZW) (in the accumulation dtype)."""
+def lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=None):
+    """Pass 2's backward, no autograd: dQ (× keep, in q's layout), dK̃ (in the accumulation dtype) and d(ZW) (in
+    ``dzw_dtype``, default the accumulation dtype)."""
     b, h, n, d = q.shape
     m = k_land.shape[-2]
     c = _lk_consts(q, m, backward=True)
     tiles = min(8, _cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
     nprog = _cdiv(n, c["BLOCK_N"] * tiles)
     acc = _acc_dtype(q.dtype)
-    # Both gradients' per-program partials in one buffer: one sum over the programs for the two
-    parts = torch.empty(2, b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=q.device, dtype=acc)
+    dzw_dtype = dzw_dtype or acc
+    part_shape = (b * h, nprog, c["BLOCK_M"], c["BLOCK_D"])
+    if nprog == 1:  # one program per (batch, head): its partials are the gradients, d(ZW) stored in its dtype
+        dkl_p = torch.empty(part_shape, device=q.device, dtype=acc)
+        dzw_p = torch.empty(part_shape, device=q.device, dtype=dzw_dtype)
+    else:  # both gradients' partials in one buffer: one sum over the programs for the two
+        parts = torch.empty((2,) + part_shape, device=q.device, dtype=acc)
+        dkl_p, dzw_p = parts[0], parts[1]
     dq = torch.empty_like(q)
     _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep.contiguous(), k_land.contiguous(), zw.contiguous(), g,
-                                   *g.stride(), dq, *dq.stride(), parts[0], parts[1], h, n, m, d, d ** -0.5,
+                                   *g.stride(), dq, *dq.stride(), dkl_p, dzw_p, h, n, m, d, d ** -0.5,
                                    TILES=tiles, IS_F64=acc == torch.float64, num_warps=8, **c)
-    sums = parts.sum(2)[:, :, :m, :d]
-    return dq, sums[0].reshape(b, h, m, d).contiguous(), sums[1].reshape(b, h, m, d).contiguous()
+    if nprog == 1:
+        dkl, dzw = dkl_p[:, 0], dzw_p[:, 0]
+    else:
+        sums = parts.sum(2)
+        dkl, dzw = sums[0], sums[1].to(dzw_dtype)
+    return dq, dkl[:, :m, :d].reshape(b, h, m, d).contiguous(), dzw[:, :m, :d].reshape(b, h, m, d).contiguous()
 
 
 class _LandmarkKeysAttention(torch.autograd.Function):
@@ -1213,16 +1248,19 @@ def _empty(shape, like, dtype, device) -> torch.Tensor:
     return torch.empty_strided(shape, like.stride(), dtype=dtype, device=device)
 
 
-def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int) -> torch.Tensor:
-    """The forward kernel alone (no autograd): means of x·keep over the m segments, (b, h, m, d)."""
+def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int, x2: torch.Tensor | None = None):
+    """The forward kernel alone (no autograd): means of x·keep over the m segments, (b, h, m, d); with ``x2`` (x's
+    shape and dtype, any strides) the pair (x's, x2's) from one launch."""
     b, h, n, d = x.shape
     out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
+    out2 = torch.empty_like(out) if x2 is not None else out
     seg_len = -(-n // m)
     block_n = max(1, min(64, _pow2(seg_len)))
-    _segmeans_kernel[(b * h, m)](x, *x.stride(), keep.contiguous(), out, h, n, m, d,
+    other = x2 if x2 is not None else x  # HAS_X2 false: never read
+    _segmeans_kernel[(b * h, m)](x, *x.stride(), other, *other.stride(), keep.contiguous(), out, out2, h, n, m, d,
                                  NCHUNK=_cdiv(seg_len, block_n), BLOCK_N=block_n,
-                                 BLOCK_D=_pow2(d), IS_F64=x.dtype == torch.float64)
-    return out
+                                 BLOCK_D=_pow2(d), IS_F64=x.dtype == torch.float64, HAS_X2=x2 is not None)
+    return (out, out2) if x2 is not None else out
 
 
 def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.Tensor | None = None,
@@ -1421,8 +1459,7 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
                                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype), pass 1's
     log-sum-exp, W (inputs' dtype), Z·W, the core's batch statistics and kept iterates."""
-    q_land = segment_means_raw(q, keep, m)
-    k_land = segment_means_raw(k, keep, m)
+    q_land, k_land = segment_means_raw(q, keep, m, x2=k)
     w_acc, lse, w = _lq_forward(q_land, k, v, key_bias)
     stat, cols = _core_stats(q_land, k_land)
     zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, True)
@@ -1449,10 +1486,10 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     """dQ, dK, dV in their inputs' layouts and d(taps) (h, k) in the accumulation dtype, from the output gradient g
     (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made)."""
     n = q.shape[-2]
-    dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g)
     # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
     # (ptxas, sm_90; 1,712 vs 1,364 B) for a gradient ~4% more accurate
-    dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw.to(zw.dtype), iters, precision,
+    dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
+    dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision,
                                          has_w=True, land_dtype=stat.dtype)
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
     dql_pass1, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
