@@ -13,6 +13,8 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
                  training backward (built after the first H100 measurements)
   fast-triton[-all]-overlap  the same with NYSTROM_OVERLAP=1: kernel_2 and the pseudo-inverse on a second CUDA
                  stream beside pass 1, forward and backward
+  fast-triton-all-conv-apart  (only when named in --impls) fast-triton-all with the conv added by its own kernel
+                 after pass 2, as timed on 2026-11-23, instead of inside pass 2's forward
 
 Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
 weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
@@ -44,6 +46,8 @@ from nystromformer.config import ModelConfig  # noqa: E402
 
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
+# Not run by default: for comparisons of one change (--impls ... fast-triton-all-conv-apart)
+EXTRA_IMPLS = ["fast-triton-all-conv-apart"]
 
 
 def with_env(env, fn):
@@ -63,6 +67,23 @@ def with_env(env, fn):
     return run
 
 
+def with_attr(module, name, value, fn):
+    """fn with ``module.name`` set to value during the call."""
+    def run(*args):
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(module, name, old)
+    return run
+
+
+def nystrom_triton_module():
+    from nystromformer.attention import nystrom_triton
+    return nystrom_triton
+
+
 def make_impl(name, layer):
     w = None if layer.conv is None else layer.conv.weight
     kw = dict(num_landmarks=layer.num_landmarks, pinv_iterations=layer.pinv_iterations, init=layer.init_option,
@@ -77,6 +98,8 @@ def make_impl(name, layer):
         env = {"NYSTROM_TRITON": "all" if "-all" in name else "1",
                "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0"}
         fn = with_env(env, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
+        if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
+            fn = with_attr(nystrom_triton_module(), "CONV_IN_PASS_2", False, fn)
         return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 
@@ -176,7 +199,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384, 65536])
-    ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
+    ap.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS + EXTRA_IMPLS)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--landmarks", type=int, default=64)

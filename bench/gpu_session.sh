@@ -74,6 +74,9 @@ stage_attention() {
     --kernels fast-triton fast-triton-all > "$d/attention.md"
   sed -n '1,/^$/p' "$d/attention.md"
   limited "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
+  # the conv inside pass 2's forward (seventeenth session, CPU only) against the conv kernel after it
+  limited "$python" bench/attention_speed.py --impls sdpa fast-triton-all fast-triton-all-conv-apart \
+    --lengths 512 4096 65536 --check | tee "$d/conv-in-pass-2.md"
 }
 
 stage_model() {

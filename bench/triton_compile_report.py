@@ -116,8 +116,12 @@ def configs(dt: str, prec: str, wide: bool):
                dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t, M=I32,
                     D=I32, NBH=I32, scale="fp32"),
                dict(**batch, **core_c), nt.CORE_WARPS)
-    yield ("pass 2 forward", nt._lk_fwd_kernel, dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), **dims),
-           dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec), 8)
+    for conv in (False, True):  # the one-node layer adds the conv inside pass 2's forward
+        yield ("pass 2 forward" + (" + conv" if conv else ""), nt._lk_fwd_kernel,
+               dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), V=p, **strides("svb", "svh", "svn", "svd"),
+                    TAPS="*fp32", **dims),
+               dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec, HAS_CONV=conv, KS=33 if conv else 1,
+                    WIN=128 if conv else 64), 8)
     yield ("pass 2 backward", nt._lk_bwd_kernel,
            dict(**lk, DO=p, **strides("sdb", "sdh", "sdn", "sdd"), DQ=p, **strides("sgb", "sgh", "sgn", "sgd"),
                 DKL_P="*fp32", DZW_P="*fp32", **dims),

@@ -719,6 +719,24 @@ def test_interp_one_node_with_one_program_per_row_launches_no_combine_and_no_sum
 
 
 @needs_interpreter
+@pytest.mark.parametrize("inside", [True, False], ids=["conv-in-pass-2", "conv-kernel-after"])
+@pytest.mark.parametrize("n,m,ks,pad", [(67, 8, 5, (3, 20)), (130, 16, 33, (0, 41)), (20, 4, 33, (0, 7))])
+def test_interp_one_node_adds_the_conv_inside_pass_2_or_after_it_alike(inside, n, m, ks, pad, monkeypatch):
+    # The conv's banded product inside pass 2's forward (the output written once) or by its own kernel reading
+    # pass 2's output back: the same function and gradients, with padding, n not a multiple of m, a conv wider
+    # than the sequence; with it inside, the forward launches no conv kernel
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    monkeypatch.setattr(nt, "CONV_IN_PASS_2", inside)
+    convs, conv = [], nt.conv_raw
+    monkeypatch.setattr(nt, "conv_raw", lambda *a, **kw: convs.append(kw.get("flip", False)) or conv(*a, **kw))
+    att = layer(m, ks)
+    qkv, mask = inputs(2, n, pad=pad, seed=n + ks)
+    compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
+    assert convs == ([] if inside else [False]) + [True]       # forward conv (unless inside), input gradient's
+
+
+@needs_interpreter
 def test_interp_a_run_under_inference_mode_does_not_break_training_after_it(monkeypatch):
     # Rows without padding share one cached all-ones keep vector per shape; one made under inference_mode
     # cannot be saved for a backward, so training after an evaluation (GLUE's loop) gets its own.

@@ -551,10 +551,13 @@ if triton is not None:
         _store_partial(DQL_P, dql, bh, BLOCK_M, BLOCK_D)
 
     @triton.jit
-    def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, H, N, M, D, scale,
-                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PREC: tl.constexpr):
+    def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, V, svb, svh, svn, svd, TAPS,
+                       H, N, M, D, scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PREC: tl.constexpr, HAS_CONV: tl.constexpr, KS: tl.constexpr, WIN: tl.constexpr):
         # OUT = softmax(keep·Q K̃ᵀ · scale) ZW for one block of query rows. The m ≤ 64 landmark keys fit in one
         # tile, so the softmax is exact in registers (no online rescaling) and the grid is (b·h, n / BLOCK_N).
+        # HAS_CONV: plus the depthwise conv of keep·V with taps TAPS (h, KS) over the same rows — the conv
+        # kernel's banded product for one tile — so the output is written once (no conv pass reading it back).
         bh, b, h = _batch_head(H)
         rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_D)
@@ -571,6 +574,15 @@ if triton is not None:
         p = tl.exp(s - tl.max(s, axis=1)[:, None])
         p = p / tl.sum(p, axis=1)[:, None]
         o = tl.dot(p.to(zw.dtype), zw, input_precision=PREC)
+        if HAS_CONV:
+            tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
+            band = tl.load(TAPS + h * KS + tap, mask=(tap >= 0) & (tap < KS), other=0.0).to(V.dtype.element_ty)
+            src = tl.program_id(1) * BLOCK_N - KS // 2 + tl.arange(0, WIN)
+            valid = (src >= 0) & (src < N)
+            x = tl.load(V + b * svb + h * svh + src[:, None].to(tl.int64) * svn + cols[None, :] * svd,
+                        mask=valid[:, None] & (cols[None, :] < D), other=0.0)
+            x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+            o += tl.dot(band, x, input_precision=PREC).to(o.dtype)
         tl.store(OUT + b * sob + h * soh + rows[:, None].to(tl.int64) * son + cols[None, :] * sod, o, mask=m2)
 
     @triton.jit
@@ -1168,16 +1180,25 @@ def _lk_consts(q: torch.Tensor, m: int, backward: bool) -> dict:
     return dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype))
 
 
-@_opaque(lambda q, keep, k_land, zw: torch.empty_like(q))
-def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor) -> torch.Tensor:
+def lk_forward_raw(q, keep, k_land, zw, v=None, taps=None):
+    """Pass 2's forward, no autograd, in q's layout; with ``v`` and ``taps`` (h, k) plus the conv of keep·v."""
     b, h, n, d = q.shape
     m = k_land.shape[-2]
     out = torch.empty_like(q)
     c = _lk_consts(q, m, backward=False)
+    conv = taps is not None
+    v = v if conv else q  # HAS_CONV false: never read
+    ks = taps.shape[-1] if conv else 1
     _lk_fwd_kernel[(b * h, _cdiv(n, c["BLOCK_N"]))](q, *q.stride(), keep.contiguous(), k_land.contiguous(),
-                                                          zw.contiguous(), out, *out.stride(), h, n, m, d,
-                                                          d ** -0.5, num_warps=8, **c)
+                                                    zw.contiguous(), out, *out.stride(), v, *v.stride(),
+                                                    taps if conv else keep, h, n, m, d, d ** -0.5, num_warps=8,
+                                                    HAS_CONV=conv, KS=ks, WIN=_pow2(c["BLOCK_N"] + ks - 1), **c)
     return out
+
+
+@_opaque(lambda q, keep, k_land, zw: torch.empty_like(q))
+def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor) -> torch.Tensor:
+    return lk_forward_raw(q, keep, k_land, zw)
 
 
 @_opaque(lambda q, keep, k_land, zw, g: (torch.empty_like(q), k_land.new_empty(k_land.shape),
@@ -1440,6 +1461,10 @@ def conv_add(v: torch.Tensor, keep: torch.Tensor, weight: torch.Tensor, res=None
 # by the segment-means backward kernel (one more pass over dK) for wider ones: with it, pass 1's fp32 backward
 # spills (ptxas, sm_90, bench/triton_compile_report.py: 32 B per thread without), its bf16 one does not.
 K_MEANS_GRAD_IN_PASS_1_MAX_BYTES = 2
+# The one-node layer adds the conv inside pass 2's forward (HAS_CONV: the output written once; ptxas, sm_90: no
+# spills in bf16 or fp32, 32 / 64 KB of shared memory); False: the conv kernel reads pass 2's output back and
+# adds the conv, as timed on 2026-11-23 (bench/attention_speed.py's fast-triton-all-conv-apart).
+CONV_IN_PASS_2 = True
 
 
 def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision):
@@ -1463,9 +1488,12 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
     w_acc, lse, w = _lq_forward(q_land, k, v, key_bias)
     stat, cols = _core_stats(q_land, k_land)
     zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, True)
-    out = _lk_forward(q, keep, k_land, zw)
-    if taps is not None:  # in place: each element of pass 2's output is read, then written, by one program
-        conv_raw(v, keep, taps, out, in_mask=True, out_mask=False, out=out)
+    if taps is not None and CONV_IN_PASS_2:
+        out = lk_forward_raw(q, keep, k_land, zw, v, taps)
+    else:
+        out = lk_forward_raw(q, keep, k_land, zw)
+        if taps is not None:  # in place: each element of pass 2's output is read, then written, by one program
+            conv_raw(v, keep, taps, out, in_mask=True, out_mask=False, out=out)
     return out, q_land, k_land, w_acc, lse, w, zw, stat, cols, zs
 
 
