@@ -50,12 +50,16 @@ def configs(dt: str, prec: str, wide: bool):
                dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), X2=p, **strides("s2b", "s2h", "s2n", "s2d"), KEEP=p,
                     OUT=p, OUT2=p, H=I32, N=I32, M=I32, D=I32),
                dict(NCHUNK=1, BLOCK_N=8, BLOCK_D=64, IS_F64=False, HAS_X2=pair), 4)
-    for one_node in (False, True):  # the one-node layer reads the landmarks' two gradients (fp32) and adds them
+    # the one-node layer reads the landmarks' two gradients (fp32) and adds them; for dQ at n ≤ 1,024 (bf16) the
+    # second as pass 1's per-program partials (2 at n = 512)
+    for one_node, parts in ((False, 1), (True, 1), (True, 2)):
         g = "*fp32" if one_node else p
-        yield ("segment means backward" + (", two landmark gradients" if one_node else ""), nt._segmeans_bwd_kernel,
-               dict(G=g, G2=g, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"), GX=p,
-                    **strides("sxb", "sxh", "sxn", "sxd"), H=I32, N=I32, M=I32, D=I32),
-               dict(HAS_G2=one_node, HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64, IS_F64=False), 4)
+        yield ("segment means backward" + (", two landmark gradients" if one_node else "")
+               + (f", the second as {parts} partials" if parts > 1 else ""), nt._segmeans_bwd_kernel,
+               dict(G=g, G2=g, s2bh=I32, s2p=I32, s2m=I32, KEEP=p, ADD=p, **strides("sab", "sah", "san", "sad"),
+                    GX=p, **strides("sxb", "sxh", "sxn", "sxd"), H=I32, N=I32, M=I32, D=I32),
+               dict(HAS_G2=one_node, G2_PARTS=parts, HAS_ADD=True, MASK_ADD=True, BLOCK_N=32, BLOCK_D=64,
+                    IS_F64=False), 4)
     conv_args = dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
                      **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
                      H=I32, N=I32, D=I32)

@@ -658,13 +658,15 @@ if triton is not None:
             tl.store(OUT2 + at, tl.sum(acc2, axis=0) / (end - start), mask=cols < D)
 
     @triton.jit
-    def _segmeans_bwd_kernel(G, G2, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N, M, D,
-                             HAS_G2: tl.constexpr, HAS_ADD: tl.constexpr, MASK_ADD: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_F64: tl.constexpr):
+    def _segmeans_bwd_kernel(G, G2, s2bh, s2p, s2m, KEEP, ADD, sab, sah, san, sad, GX, sxb, sxh, sxn, sxd, H, N,
+                             M, D, HAS_G2: tl.constexpr, G2_PARTS: tl.constexpr, HAS_ADD: tl.constexpr,
+                             MASK_ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                             IS_F64: tl.constexpr):
         # GX[b,h,p,:] = keep[b,p] * G[b,h,i,:] / len(segment i)  (+ ADD[b,h,p,:], times keep[b,p] if MASK_ADD),
         # i = floor(p·M/N): the input-sized gradient written once, with the gradient of the input's other use
         # (ADD) folded in instead of autograd's separate accumulation pass. HAS_G2: the landmarks' gradient is
-        # G + G2 (their two uses), added here rather than by a launch of its own.
+        # G + G2 (their two uses), added here rather than by a launch of its own; G2 given as G2_PARTS per-program
+        # partials (at G2 + bh·s2bh + part·s2p + i·s2m) is summed here too, instead of by a launch before.
         bh = tl.program_id(0)
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
@@ -684,7 +686,9 @@ if triton is not None:
             g = g.to(tl.float32)
             kp = kp.to(tl.float32)
         if HAS_G2:
-            g += tl.load(G2 + landmark, mask=m2, other=0.0).to(g.dtype)
+            at2 = G2 + bh.to(tl.int64) * s2bh + seg[:, None] * s2m + cols[None, :]
+            for part in range(G2_PARTS):
+                g += tl.load(at2 + part * s2p, mask=m2, other=0.0).to(g.dtype)
         out = g * (kp / count.to(g.dtype))[:, None]
         if HAS_ADD:
             add = tl.load(ADD + b * sab + h * sah + rows[:, None].to(tl.int64) * san + cols[None, :] * sad,
@@ -1124,9 +1128,10 @@ def _partial_sum(parts: torch.Tensor, shape) -> torch.Tensor:
     return total[:, :m, :d].reshape(b, h, m, d).contiguous()
 
 
-def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
+def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None, partials=False):
     """Pass 1's backward, no autograd: dQ̃ (in the accumulation dtype), dK, dV. ``seg`` = (keep, dkl, dkl2): also add
-    the landmark means' gradient keep · (dkl + dkl2)[segment] / length into dK (the one-node layer)."""
+    the landmark means' gradient keep · (dkl + dkl2)[segment] / length into dK (the one-node layer). ``partials``:
+    dQ̃ as its per-program partials (b·h, programs, BLOCK_M, BLOCK_D), not yet summed."""
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -1142,7 +1147,7 @@ def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None):
                                    lse.contiguous(), out.contiguous(), dk, *dk.stride(), dv, *dv.stride(), dql_p,
                                    keep, dkl, dkl2, h, n, m, d, d ** -0.5, TILES=tiles,  # HAS_SEG false: not read
                                    HAS_BIAS=key_bias is not None, HAS_SEG=seg is not None, **c)
-    return _partial_sum(dql_p, (b, h, m, d)), dk, dv
+    return dql_p if partials else _partial_sum(dql_p, (b, h, m, d)), dk, dv
 
 
 class _LandmarkQueriesAttention(torch.autograd.Function):
@@ -1286,21 +1291,32 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int, x2: torch.Ten
 
 def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.Tensor | None = None,
                        mask_add: bool = False, like: torch.Tensor | None = None,
-                       out: torch.Tensor | None = None, g2: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, g2: torch.Tensor | None = None,
+                       g2_parts: torch.Tensor | None = None) -> torch.Tensor:
     """The input gradient of ``segment_means_raw`` for the landmark gradient g (b, h, m, d) (+ ``g2``, same shape,
-    when given), plus ``add`` (× keep if ``mask_add``) when given, in one pass; written with the strides of
-    ``like`` (a tensor, e.g. on the meta device, of the input's layout; default contiguous), or into ``out``
-    (which may be ``add``: each element is read and then written by the same program)."""
+    or + the sum over programs of ``g2_parts``, per-program partials (b·h, programs, ≥ m, ≥ d), when given), plus
+    ``add`` (× keep if ``mask_add``) when given, in one pass; written with the strides of ``like`` (a tensor,
+    e.g. on the meta device, of the input's layout; default contiguous), or into ``out`` (which may be ``add``:
+    each element is read and then written by the same program)."""
     b, h, m, d = g.shape
     g = g.contiguous()
-    g2 = g2.contiguous() if g2 is not None else None
+    if g2_parts is not None:
+        g2 = g2_parts.contiguous()
+        s2p, s2m = g2.stride(1), g2.stride(2)
+        s2 = (g2.stride(0), s2p, s2m)
+    elif g2 is not None:
+        g2 = g2.contiguous()
+        s2 = (m * d, 0, d)
+    else:
+        s2 = (0, 0, 0)
     gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
     block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
     astr = add.stride() if add is not None else (0, 0, 0, 0)
     _segmeans_bwd_kernel[(b * h, _cdiv(n, block_n))](
-        g, g2 if g2 is not None else g, keep.contiguous(), add if add is not None else g, *astr, gx, *gx.stride(),
-        h, n, m, d, HAS_G2=g2 is not None, HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n,
-        BLOCK_D=_pow2(d), IS_F64=g.dtype == torch.float64)
+        g, g2 if g2 is not None else g, *s2, keep.contiguous(), add if add is not None else g, *astr, gx,
+        *gx.stride(), h, n, m, d, HAS_G2=g2 is not None, G2_PARTS=g2_parts.shape[1] if g2_parts is not None else 1,
+        HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n, BLOCK_D=_pow2(d),
+        IS_F64=g.dtype == torch.float64)
     return gx
 
 
@@ -1465,6 +1481,10 @@ K_MEANS_GRAD_IN_PASS_1_MAX_BYTES = 2
 # spills in bf16 or fp32, 32 / 64 KB of shared memory); False: the conv kernel reads pass 2's output back and
 # adds the conv, as timed on 2026-11-23 (bench/attention_speed.py's fast-triton-all-conv-apart).
 CONV_IN_PASS_2 = True
+# Pass 1's backward leaves dQ̃ as per-program partials. Up to this many (n ≤ 1,024 in bf16, 512 in fp32) the
+# segment-means backward for dQ adds them itself, each of its programs reading the few landmark rows it needs from
+# every partial; beyond, one sum launch first (the reads would grow with n / 256 per program).
+DQ_PARTIALS_IN_SEGMENT_MEANS_MAX = 4
 
 
 def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision):
@@ -1520,12 +1540,16 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision,
                                          has_w=True, land_dtype=stat.dtype)
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
-    dql_pass1, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
-                                        seg=(keep, dk_land, dkl_pass2) if fuse_k else None)
+    dql_parts, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
+                                        seg=(keep, dk_land, dkl_pass2) if fuse_k else None, partials=True)
     if not fuse_k:
         segment_means_grad(dk_land, keep, n, add=dk, out=dk, g2=dkl_pass2)
     if need_q:
-        segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq, g2=dql_pass1)
+        if dql_parts.shape[1] <= DQ_PARTIALS_IN_SEGMENT_MEANS_MAX:  # pass 1's dQ̃ partials summed in the kernel
+            segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq, g2_parts=dql_parts)
+        else:
+            segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq,
+                               g2=_partial_sum(dql_parts, q_land.shape))
     if taps is not None and need_v:
         conv_raw(g, keep, taps, dv, in_mask=False, out_mask=True, out=dv, flip=True)
     dtaps = stat.new_empty(0)
