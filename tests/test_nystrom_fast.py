@@ -632,7 +632,10 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
                      (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16))),
                      (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee")),    # no padding, no conv
                      (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 3, "ieee", False,
-                                           False, False))):                          # only dK asked for
+                                           False, False)),                           # only dK asked for
+                     # several programs, and m, d the block's sides: dK̃ and d(ZW) from one sum, not aliased
+                     (nt._lk_backward, (r(1, 300, 1, 16).transpose(1, 2), torch.ones(1, 300, dtype=torch.float64),
+                                        r(1, 1, 16, 16), r(1, 1, 16, 16), r(1, 1, 300, 16)))):
         torch.library.opcheck(fn.op, args)
 
 

@@ -1211,7 +1211,10 @@ def _lk_forward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: t
 def _lk_backward(q: torch.Tensor, keep: torch.Tensor, k_land: torch.Tensor, zw: torch.Tensor,
                  g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dkl, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
-    return dq, dkl.to(k_land.dtype), dzw
+    dkl = dkl.to(k_land.dtype)
+    if dkl.untyped_storage().data_ptr() == dzw.untyped_storage().data_ptr():
+        dzw = dzw.clone()  # the two halves of one sum over programs: a custom op's outputs may not alias
+    return dq, dkl, dzw
 
 
 def lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=None):
