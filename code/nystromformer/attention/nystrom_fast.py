@@ -186,8 +186,9 @@ _ALL_ONES: dict = {}
 
 def _all_ones(b: int, n: int, like: torch.Tensor) -> torch.Tensor:
     """A (b, n) keep vector of ones in ``like``'s dtype and device, made once per shape and shared by every layer
-    and step: a fill launch fewer per layer. The kernels only read it. Under torch.compile a fresh one (traced)."""
-    if torch.compiler.is_compiling():
+    and step: a fill launch fewer per layer. The kernels only read it. Under torch.compile, or for a tensor that is
+    not a plain one (a FakeTensor when shapes are traced), a fresh one, never cached."""
+    if torch.compiler.is_compiling() or type(like) is not torch.Tensor:
         return like.new_ones(b, n)
     # inference tensors (made under torch.inference_mode) cannot be saved for a backward: kept apart
     key = (b, n, like.dtype, like.device, torch.is_inference_mode_enabled())
