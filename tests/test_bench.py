@@ -44,6 +44,35 @@ def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors(
             assert float(err) < 1e-2      # bf16 against the fp32 reference
 
 
+def test_attention_speeds_conv_apart_variant_runs_the_conv_kernel_after_pass_2_and_restores_the_switch():
+    # The GPU session's comparison of the conv inside pass 2 with the conv kernel after it (bf16 there; here fp32
+    # inputs under the interpreter, which cannot run bf16 products): the same function, the switch restored.
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    script = """
+import sys, torch
+sys.path.insert(0, "bench")
+import attention_speed as a
+from nystromformer.attention import nystrom_triton as nt
+calls = []
+conv_raw = nt.conv_raw
+nt.conv_raw = lambda *args, **kw: calls.append(kw.get("flip", False)) or conv_raw(*args, **kw)
+layer = a.build_attention(a.ModelConfig(num_head=2, head_dim=16, transformer_dim=32, num_landmarks=8,
+                                        conv_kernel_size=5))
+(q, k, v), mask = a.inputs(2, 67, 2, 16, torch.float32, torch.device("cpu"), 0.0)
+outs = []
+for name in ("fast-triton-all", "fast-triton-all-conv-apart"):
+    _, fn = a.make_impl(name, layer)
+    out = fn(q, k, v, None)
+    out.sum().backward()
+    outs.append(out.detach())
+print(calls, nt.CONV_IN_PASS_2, float((outs[0] - outs[1]).abs().max()))
+"""
+    lines = run_script("-c", script, TRITON_INTERPRET="1")
+    calls, switch, diff = lines[-1].rsplit(" ", 2)
+    assert calls == "[True, False, True]" and switch == "True" and float(diff) < 1e-5, lines[-1]
+
+
 def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
     # NYSTROM_IMPL=fast and n = 128 > 64 landmarks: the CUDA path's code (PyTorch ops here), split by the overlap row
     lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "128", "--batch", "2", "--layers",
