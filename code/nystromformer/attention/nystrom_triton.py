@@ -551,6 +551,26 @@ if triton is not None:
         _store_partial(DQL_P, dql, bh, BLOCK_M, BLOCK_D)
 
     @triton.jit
+    def _conv_band(W, h, KS: tl.constexpr, FLIP: tl.constexpr, BLOCK_N: tl.constexpr, WIN: tl.constexpr,
+                   dtype: tl.constexpr):
+        # The depthwise conv over BLOCK_N rows as a matrix: the banded Toeplitz matrix of head h's taps (BLOCK_N ×
+        # WIN, row r holding the taps at columns r … r + KS − 1), in reverse order if FLIP.
+        tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
+        return tl.load(W + h * KS + (KS - 1 - tap if FLIP else tap), mask=(tap >= 0) & (tap < KS),
+                       other=0.0).to(dtype)
+
+    @triton.jit
+    def _conv_window(X, sxn, sxd, KEEP, b, N, D, src, cols, IN_MASK: tl.constexpr):
+        # The rows src of X (this (batch, head)'s base pointer) that a tile's conv reads, zero outside [0, N),
+        # times keep if IN_MASK.
+        valid = (src >= 0) & (src < N)
+        x = tl.load(X + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
+                    mask=valid[:, None] & (cols[None, :] < D), other=0.0)
+        if IN_MASK:
+            x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+        return x
+
+    @triton.jit
     def _lk_fwd_kernel(Q, sqb, sqh, sqn, sqd, KEEP, KL, ZW, OUT, sob, soh, son, sod, V, svb, svh, svn, svd, TAPS,
                        H, N, M, D, scale, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                        PREC: tl.constexpr, HAS_CONV: tl.constexpr, KS: tl.constexpr, WIN: tl.constexpr):
@@ -575,13 +595,9 @@ if triton is not None:
         p = p / tl.sum(p, axis=1)[:, None]
         o = tl.dot(p.to(zw.dtype), zw, input_precision=PREC)
         if HAS_CONV:
-            tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
-            band = tl.load(TAPS + h * KS + tap, mask=(tap >= 0) & (tap < KS), other=0.0).to(V.dtype.element_ty)
+            band = _conv_band(TAPS, h, KS, False, BLOCK_N, WIN, V.dtype.element_ty)
             src = tl.program_id(1) * BLOCK_N - KS // 2 + tl.arange(0, WIN)
-            valid = (src >= 0) & (src < N)
-            x = tl.load(V + b * svb + h * svh + src[:, None].to(tl.int64) * svn + cols[None, :] * svd,
-                        mask=valid[:, None] & (cols[None, :] < D), other=0.0)
-            x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+            x = _conv_window(V + b * svb + h * svh, svn, svd, KEEP, b, N, D, src, cols, True)
             o += tl.dot(band, x, input_precision=PREC).to(o.dtype)
         tl.store(OUT + b * sob + h * soh + rows[:, None].to(tl.int64) * son + cols[None, :] * sod, o, mask=m2)
 
@@ -713,20 +729,14 @@ if triton is not None:
         b = (bh // H).to(tl.int64)
         h = (bh % H).to(tl.int64)
         pad = KS // 2
-        tap = tl.arange(0, WIN)[None, :] - tl.arange(0, BLOCK_N)[:, None]
-        band = tl.load(W + h * KS + (KS - 1 - tap if FLIP else tap), mask=(tap >= 0) & (tap < KS),
-                       other=0.0).to(X.dtype.element_ty)
+        band = _conv_band(W, h, KS, FLIP, BLOCK_N, WIN, X.dtype.element_ty)
         cols = tl.arange(0, BLOCK_D)
         cmask = cols[None, :] < D
         base = X + b * sxb + h * sxh
         for tile in range(TILES):
             row0 = (tl.program_id(1) * TILES + tile) * BLOCK_N
             src = row0 - pad + tl.arange(0, WIN)
-            valid = (src >= 0) & (src < N)
-            x = tl.load(base + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
-                        mask=valid[:, None] & cmask, other=0.0)
-            if IN_MASK:
-                x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
+            x = _conv_window(base, sxn, sxd, KEEP, b, N, D, src, cols, IN_MASK)
             acc = tl.dot(band, x, input_precision=PREC)
             rows = row0 + tl.arange(0, BLOCK_N)
             rmask = rows < N
