@@ -79,11 +79,6 @@ def with_attr(module, name, value, fn):
     return run
 
 
-def nystrom_triton_module():
-    from nystromformer.attention import nystrom_triton
-    return nystrom_triton
-
-
 def make_impl(name, layer):
     w = None if layer.conv is None else layer.conv.weight
     kw = dict(num_landmarks=layer.num_landmarks, pinv_iterations=layer.pinv_iterations, init=layer.init_option,
@@ -99,7 +94,8 @@ def make_impl(name, layer):
                "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0"}
         fn = with_env(env, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
         if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
-            fn = with_attr(nystrom_triton_module(), "CONV_IN_PASS_2", False, fn)
+            from nystromformer.attention import nystrom_triton  # imported when used, as nystrom_fast does
+            fn = with_attr(nystrom_triton, "CONV_IN_PASS_2", False, fn)
         return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 
