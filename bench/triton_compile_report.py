@@ -76,14 +76,18 @@ def configs(dt: str, prec: str, wide: bool):
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
                 PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
-    for finish in (False, True):  # one program per (batch, head): it writes W itself, no combine launch
-        yield ("pass 1 forward" + (", one program (writes W)" if finish else ""), nt._lq_fwd_kernel,
+    # one program per (batch, head): it writes W itself, no combine launch; the one-node layer writes W once, in
+    # fp32 (no copy in the inputs' dtype: HAS_LOW false)
+    for finish, low in ((False, True), (True, True), (True, False)):
+        yield ("pass 1 forward" + (", one program (writes W)" if finish else "") + ("" if low else ", fp32 W only"),
+               nt._lq_fwd_kernel,
                dict(**lq, ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", **dims),
                dict(BLOCK_M=64, BLOCK_K=32 if wide else 64, BLOCK_D=64, TILES=8, PREC=prec, HAS_BIAS=True,
-                    FINISH=finish, **f64), 8)
-    yield ("pass 1 combine", nt._lq_combine_kernel,
-           dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
-           dict(NPROG=128, BLOCK_M=64, BLOCK_D=64), 4)                                 # n = 65,536 at bf16
+                    FINISH=finish, HAS_LOW=low, **f64), 8)
+    for low in (True, False):
+        yield ("pass 1 combine" + ("" if low else ", fp32 W only"), nt._lq_combine_kernel,
+               dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
+               dict(NPROG=128, BLOCK_M=64, BLOCK_D=64, HAS_LOW=low), 4)                # n = 65,536 at bf16
     for one_node in (False, True):  # the one-node layer adds K's segment-means gradient into dK
         yield ("pass 1 backward" + (" + K's segment-means gradient" if one_node else ""), nt._lq_bwd_kernel,
                dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,
@@ -100,16 +104,17 @@ def configs(dt: str, prec: str, wide: bool):
     # The iterating kernels in each form: landmark_core (Z·W, m × d, in the input dtype) or landmark_pinv (Z
     # alone, fp32 m × m: NYSTROM_OVERLAP=1); replaying the forward in the backward, or (≤ CORE_KEEP_MAX matrices)
     # reading the iterates the forward kept.
-    for form, has_w in (("core", True), ("pinv", False)):
-        t = p if has_w else "*fp32"    # W, Z·W or Z, and their gradients
+    # The one-node layer's core (the last form) reads W in fp32, its only copy, and rounds it to the inputs' dtype.
+    for form, has_w, w_t in (("core", True, p), ("pinv", False, "*fp32"), ("core, W in fp32", True, "*fp32")):
+        t = p if has_w else "*fp32"    # Z·W or Z, and their gradients
         for kept in (False, True):
             fwd, bwd = ((", keeping iterates", ", from kept iterates") if kept else ("", ""))
             yield (f"landmark {form} forward{fwd}", nt._core_fwd_kernel,
-                   dict(**core, W=t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                   dict(**core, W=w_t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
                    dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEEP=kept), nt.CORE_WARPS)
             for transposed in (False, True):
                 yield (f"landmark {form} backward{bwd}" + (", transposed" if transposed else ""), nt._core_bwd_kernel,
-                       dict(**core, W=t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32",
+                       dict(**core, W=w_t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32",
                             NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
                        dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept, TRANSPOSED=transposed),
                        nt.CORE_WARPS)

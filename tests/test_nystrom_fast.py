@@ -135,6 +135,24 @@ def test_overlap_switch_rejects_unknown_values(monkeypatch):
         nystrom_fast.overlap_mode()
 
 
+def test_recompute_switch_rejects_unknown_values_and_settings_it_would_not_apply_to(monkeypatch):
+    monkeypatch.delenv("NYSTROM_RECOMPUTE", raising=False)
+    monkeypatch.delenv("NYSTROM_OVERLAP", raising=False)
+    monkeypatch.setenv("NYSTROM_TRITON", "1")
+    assert nystrom_fast.recompute_mode() is False   # off: it trades time (not yet measured) for memory
+    monkeypatch.setenv("NYSTROM_RECOMPUTE", "yes")
+    with pytest.raises(ValueError, match="NYSTROM_RECOMPUTE: expected one of 0, 1, got 'yes'"):
+        nystrom_fast.recompute_mode()
+    monkeypatch.setenv("NYSTROM_RECOMPUTE", "1")    # only the one-node layer of NYSTROM_TRITON=all recomputes
+    with pytest.raises(ValueError, match="NYSTROM_TRITON=1, NYSTROM_OVERLAP=0"):
+        nystrom_fast.recompute_mode()
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    assert nystrom_fast.recompute_mode() is True
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1")      # which NYSTROM_OVERLAP=1 does not run
+    with pytest.raises(ValueError, match="NYSTROM_TRITON=all, NYSTROM_OVERLAP=1"):
+        nystrom_fast.recompute_mode()
+
+
 def test_all_padding_row_stays_finite_and_matches():
     att = layer(8, 5)
     qkv, mask = inputs(2, 40, pad=(0, 40), seed=5)
@@ -428,6 +446,47 @@ def test_interp_model_keeps_for_backward_what_softmax_keeps_with_all_kernels_and
     assert large["nystrom"] == large["softmax"] + extra
 
 
+def _model_saved_bytes(attn_type, n=96, layers=2, landmarks=16):
+    """Bytes of every storage one MLM forward keeps for backward (parameters excluded), by kind of tensor."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from saved_memory import saved_storages
+    from nystromformer.model import NystromformerForMaskedLM
+    cfg = ModelConfig(vocab_size=100, max_seq_len=n, embedding_dim=64, transformer_dim=64, transformer_hidden_dim=256,
+                      num_layers=layers, num_head=2, head_dim=32, num_landmarks=landmarks, conv_kernel_size=5,
+                      dropout_prob=0.0, attn_type=attn_type)
+    ids = torch.randint(5, 100, (2, n), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::7] = ids[:, ::7]
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(cfg)
+    for module in model.modules():
+        if hasattr(module, "impl"):
+            module.impl = "fast"
+    loss = model(ids, labels, None).loss
+    saved = saved_storages(loss, exclude=[p.untyped_storage().data_ptr() for p in model.parameters()])
+    return sum(b for b, _, _ in saved.values())
+
+
+@needs_interpreter
+def test_interp_model_recomputing_the_landmarks_keeps_less_than_softmax_and_keeping_them_more(monkeypatch):
+    # Issue #6's "peak memory ≤ the softmax model's", counting every byte autograd keeps: SDPA keeps its
+    # log-sum-exp (b·h·n numbers per layer) besides q, k, v and the output; the one-node Nyström layer keeps no
+    # such row statistic, but by default its landmark-sized tensors (Q̃, K̃, W, Z·W: 4·b·h·m·d numbers per layer).
+    # With NYSTROM_RECOMPUTE=1 it keeps only the core's b·h·(m + 1) statistics besides q, k, v: below softmax.
+    from nystromformer.attention import nystrom_triton
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    monkeypatch.setattr(nystrom_triton, "CORE_KEEP_MAX", 0)
+    n, layers, m, b, h, d, fp32 = 96, 2, 16, 2, 2, 32, 4
+    softmax = _model_saved_bytes("softmax")
+    keeping = _model_saved_bytes("nystrom")
+    monkeypatch.setenv("NYSTROM_RECOMPUTE", "1")
+    recomputing = _model_saved_bytes("nystrom")
+    keep_vector = b * n * fp32                                  # the cached all-ones keep vector, one for all layers
+    lse, statistics, landmarks = b * h * n * fp32, b * h * (m + 1) * fp32, 4 * b * h * m * d * fp32
+    assert recomputing == softmax - layers * (lse - statistics) + keep_vector < softmax
+    assert keeping == recomputing + layers * (landmarks + b * h * m * fp32)   # and pass 1's log-sum-exp
+
+
 # ---------------------------------------------------------------------------------------- GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 
@@ -506,6 +565,33 @@ def test_gpu_one_node_layer_without_padding_with_one_program_per_pass_or_several
     from nystromformer.attention import nystrom_triton
     monkeypatch.setattr(nystrom_triton, "CONV_IN_PASS_2", conv_in_pass_2)
     err, grad_errs = _gpu_case(dtype, _gpu_impl("triton-all", monkeypatch), n=n, pad=(0, 0, 0), mask_none=True)
+    tol = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-3)
+    assert err <= tol[0] and max(grad_errs) <= tol[1], (err, grad_errs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,n", [(torch.bfloat16, 256), (torch.bfloat16, 1000), (torch.float32, 1000)])
+def test_gpu_one_node_layer_recomputing_its_landmarks_in_the_backward_matches_keeping_them(dtype, n, monkeypatch):
+    # NYSTROM_RECOMPUTE=1: the backward runs the forward's kernels again on the same inputs (the same values) and
+    # the core's backward reads the iterates that run kept instead of replaying the iteration; against the node
+    # that keeps its landmark tensors (far below the tolerance against the reference) and against the reference.
+    _gpu_impl("triton-all", monkeypatch)
+    att = layer(64, 33, dtype=torch.float64).cuda()
+    qkv64, mask = inputs(3, n, pad=(0, 137, 0), seed=n, device="cuda")
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in qkv64)
+    w = att.conv.weight.detach().float().requires_grad_()
+    g = torch.randn(3, H, n, D, device="cuda", dtype=dtype)
+    outs, grads = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("NYSTROM_RECOMPUTE", mode)
+        outs[mode] = nystrom_fast.forward(q, k, v, mask, num_landmarks=64, conv_weight=w, use_triton=True)
+        assert type(outs[mode].grad_fn).__name__ == "_TritonNystromBackward"
+        grads[mode] = torch.autograd.grad(outs[mode], (q, k, v, w), g)
+    assert torch.equal(outs["0"], outs["1"])
+    close = 1e-3 if dtype == torch.bfloat16 else 1e-6
+    assert max(rel(a, b) for a, b in zip(grads["1"], grads["0"])) <= close
+    err, grad_errs = _gpu_case(dtype, True, n=n, pad=(0, 137, 0))   # NYSTROM_RECOMPUTE=1 still set
     tol = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-3)
     assert err <= tol[0] and max(grad_errs) <= tol[1], (err, grad_errs)
 
@@ -653,19 +739,23 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
              nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee", True),
              nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee")}
     taps = r(2, 5)
-    saved = nt._layer_forward(q, k, v, keep, keep * 0, taps, 8, 3, "ieee")[1:]
-    cases[nt._layer_forward] = (q, k, v, keep, keep * 0, taps, 8, 3, "ieee")
-    cases[nt._layer_backward] = (q, k, v, keep, keep * 0, taps, *saved, r(2, 40, 2, 16).transpose(1, 2), 3, "ieee",
-                                 True, True, True)
+    ql, kl, w, lse1, zw1, stat1, cols1, zs = nt._layer_forward(q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True)[1:]
+    saved = (stat1, cols1, ql, kl, w, lse1, zw1, zs)               # the backward's order: statistics, landmarks
+    recomputed = (stat1, cols1) + (None,) * 6                      # NYSTROM_RECOMPUTE=1: landmarks made again
+    cases[nt._layer_forward] = (q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True)
+    cases[nt._layer_backward] = (q, k, v, keep, keep * 0, taps, *saved, r(2, 40, 2, 16).transpose(1, 2), 8, 3,
+                                 "ieee", True, True, True)
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
     for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee")),
                      (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee")),
                      (nt._lq_forward, (q_land, k, v, None)),                        # no padding: no key bias
                      (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16))),
-                     (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee")),    # no padding, no conv
-                     (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 3, "ieee", False,
+                     (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee", False)),  # no padding, no conv
+                     (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 8, 3, "ieee", False,
                                            False, False)),                           # only dK asked for
+                     (nt._layer_backward, (q, k, v, keep, keep * 0, taps, *recomputed, r(2, 2, 40, 16), 8, 3,
+                                           "ieee", True, True, True)),
                      # several programs, and m, d the block's sides: dK̃ and d(ZW) from one sum, not aliased
                      (nt._lk_backward, (r(1, 300, 1, 16).transpose(1, 2), torch.ones(1, 300, dtype=torch.float64),
                                         r(1, 1, 16, 16), r(1, 1, 16, 16), r(1, 1, 300, 16)))):
@@ -702,6 +792,39 @@ def test_interp_one_node_output_is_in_the_queries_layout_and_it_keeps_no_sequenc
     assert sequence_long == {t.untyped_storage().data_ptr() for t in (q, k, v)}
     assert out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in saved}
     assert rel(out, att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,pad", [(67, (3, 20)), (64, None), (300, (0, 37))])
+def test_interp_one_node_recomputing_its_landmarks_keeps_only_q_k_v_and_gives_the_same_gradients(n, pad,
+                                                                                                  monkeypatch):
+    # NYSTROM_RECOMPUTE=1: the node keeps q, k, v (with the keep vector, key bias and conv taps) and the core's
+    # batch statistics, b·h·(m + 1) numbers — no landmark-sized tensor — and its backward makes Q̃, K̃, W and Z·W
+    # again with the forward's kernels: the same values, so the same gradients, bit for bit, as the node that keeps
+    # them. Padding, n not a multiple of m, no mask; n = 300: pass 1 in several programs and a combine (fp64).
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, n, pad=pad or (), seed=n)
+    mask = mask if pad else None
+    params = (q, k, v, att.conv.weight)
+    kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    g = torch.randn(2, H, n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    outs, grads, saved = {}, {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("NYSTROM_RECOMPUTE", mode)
+        outs[mode] = nystrom_fast.forward(q, k, v, mask, **kw)
+        saved[mode] = [t for t in outs[mode].grad_fn.saved_tensors if t is not None]
+        grads[mode] = torch.autograd.grad(outs[mode], params, g)
+    inputs_and_taps = {t.untyped_storage().data_ptr() for t in (q, k, v, att.conv.weight)}
+    rest = {mode: [t for t in saved[mode] if t.untyped_storage().data_ptr() not in inputs_and_taps
+                   and t.shape != (2, n)] for mode in saved}           # (2, n): the keep vector and key bias
+    landmark_sized = [t for t in rest["0"] if t.shape[-2:] == (8, D)]
+    assert len(landmark_sized) == 4                      # Q̃, K̃, W (one copy, in the accumulation dtype), Z·W
+    assert sum(t.numel() for t in rest["1"]) == 2 * H * (8 + 1)          # the column sums and the batch statistic
+    assert torch.equal(outs["0"], outs["1"])
+    assert all(torch.equal(a, b) for a, b in zip(grads["0"], grads["1"]))
+    ref = torch.autograd.grad(att.reference_forward(q, k, v, mask if pad else torch.ones(2, n)), params, g)
+    assert all(rel(a, b) < FP64_TOL for a, b in zip(grads["1"], ref))
 
 
 @needs_interpreter

@@ -97,6 +97,8 @@ def test_a_user_error_spanning_lines_is_still_one_error_line(capsys):
     ("NYSTROM_IMPL", "fastt", "NYSTROM_IMPL / impl: expected one of auto, reference, fast, got 'fastt'"),
     ("NYSTROM_TRITON", "2", "NYSTROM_TRITON: expected one of 0, 1, all, got '2'"),
     ("NYSTROM_OVERLAP", "yes", "NYSTROM_OVERLAP: expected one of 0, 1, got 'yes'"),
+    ("NYSTROM_RECOMPUTE", "2", "NYSTROM_RECOMPUTE: expected one of 0, 1, got '2'"),
+    ("NYSTROM_RECOMPUTE", "1", "NYSTROM_RECOMPUTE=1 applies to the one-node layer of NYSTROM_TRITON=all"),
     ("WORLD_SIZE", "abc", "WORLD_SIZE=abc: expected an integer >= 1"),
     ("WORLD_SIZE", "0", "WORLD_SIZE=0: expected an integer >= 1"),
     ("WORLD_SIZE", "2", "WORLD_SIZE=2 without RANK, MASTER_ADDR, MASTER_PORT: start the processes with torchrun"),
@@ -105,7 +107,8 @@ def test_a_user_error_spanning_lines_is_still_one_error_line(capsys):
 ])
 def test_a_bad_environment_variable_is_one_error_line_when_the_command_starts(capsys, monkeypatch, variable, value,
                                                                              says):
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NYSTROM_TRITON",
+                 "NYSTROM_OVERLAP", "NYSTROM_RECOMPUTE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, value)
     model_dir = str(Path(__file__).parents[1] / "nystrom-512")

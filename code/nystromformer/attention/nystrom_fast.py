@@ -32,7 +32,8 @@ which the H100 profile found faster than the reference's Conv2d). ``NYSTROM_TRIT
 0 = none, 1 = those kernels (default), all = also the attention-pass kernels, the landmark core and the one-node
 training backward (faster for bf16 attention on an H100; docs/performance.md). ``NYSTROM_OVERLAP=1``
 (``overlap_mode``, default 0: slower on an H100) computes Z apart from Z @ W, on a second CUDA stream beside the
-landmark pass.
+landmark pass. ``NYSTROM_RECOMPUTE=1`` (``recompute_mode``, default 0) makes ``all``'s training layer recompute
+its landmark-sized tensors in the backward instead of keeping them (memory for time).
 """
 from __future__ import annotations
 
@@ -292,6 +293,28 @@ def overlap_mode() -> bool:
     return mode == "1"
 
 
+RECOMPUTE_MODES = ("0", "1")
+
+
+def recompute_mode() -> bool:
+    """``NYSTROM_RECOMPUTE=1``: the one-node training layer (``NYSTROM_TRITON=all``) keeps only q, k, v and the
+    core's batch statistics for its backward, which recomputes the landmarks, W and Z·W (3 launches and an
+    n-long read of q, k, v more per layer) — activation memory then at or below the softmax layer's, which keeps
+    its log-sum-exp (b·h·n numbers) besides q, k, v and the output. Default 0: the landmark-sized tensors (Q̃, K̃,
+    W, Z·W: 1/8 of a q-sized tensor each at n = 512 and 64 landmarks, 1/64 at 4096) are kept. Only meaningful
+    with ``NYSTROM_TRITON=all`` and without ``NYSTROM_OVERLAP=1``: any other combination is an error, not a
+    setting silently ignored."""
+    mode = os.environ.get("NYSTROM_RECOMPUTE", "0")
+    if mode not in RECOMPUTE_MODES:
+        raise AttentionSettingError(f"NYSTROM_RECOMPUTE: expected one of {', '.join(RECOMPUTE_MODES)}, got "
+                                    f"{mode!r}")
+    if mode == "1" and (triton_mode() != "all" or overlap_mode()):
+        raise AttentionSettingError("NYSTROM_RECOMPUTE=1 applies to the one-node layer of NYSTROM_TRITON=all "
+                                    "without NYSTROM_OVERLAP=1; here NYSTROM_TRITON="
+                                    f"{triton_mode()}, NYSTROM_OVERLAP={os.environ.get('NYSTROM_OVERLAP', '0')}")
+    return mode == "1"
+
+
 def _fork(x: torch.Tensor):
     """A side stream of x's device that waits for the current stream's work so far, or None where streams are
     not used (CPU; torch.compile, which would need to trace them; graph capture, kept to one stream)."""
@@ -339,9 +362,14 @@ class _TritonNystrom(torch.autograd.Function):
         taps = None if conv_weight is None else nt.conv_taps(conv_weight)
         # The output is in q's layout, as SDPA's is: the model's (b, n, h·d) reshape is then a view, not a copy
         # that the output projection would keep besides this tensor.
-        out, *saved = nt.layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision)
-        ctx.save_for_backward(q, k, v, keep, key_bias, taps, *saved)
-        ctx.iters, ctx.precision = iters, precision
+        save = not recompute_mode()
+        out, q_land, k_land, w, lse, zw, stat, cols, zs = nt.layer_forward(q, k, v, keep, key_bias, taps, m, iters,
+                                                                            precision, save)
+        # NYSTROM_RECOMPUTE=1: only the inputs and the core's batch statistics (b·h·(m + 1) numbers) are kept; the
+        # landmark-sized tensors die here and the backward recomputes them.
+        landmarks = (q_land, k_land, w, lse, zw, zs) if save else ()
+        ctx.save_for_backward(q, k, v, keep, key_bias, taps, stat, cols, *landmarks)
+        ctx.m, ctx.iters, ctx.precision = m, iters, precision
         if conv_weight is not None:
             ctx.weight_shape, ctx.weight_dtype = conv_weight.shape, conv_weight.dtype
         return out
@@ -352,8 +380,10 @@ class _TritonNystrom(torch.autograd.Function):
         from . import nystrom_triton as nt
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
         # g as it comes (every kernel takes strides): in the model, a view of the (b, n, h·d) gradient.
-        dq, dk, dv, dtaps = nt.layer_backward(*ctx.saved_tensors, g, iters=ctx.iters, precision=ctx.precision,
-                                              need_q=need_q, need_v=need_v, need_taps=need_w)
+        q, k, v, keep, key_bias, taps, stat, cols, *landmarks = ctx.saved_tensors
+        dq, dk, dv, dtaps = nt.layer_backward(q, k, v, keep, key_bias, taps, stat, cols, landmarks or None, g,
+                                              m=ctx.m, iters=ctx.iters, precision=ctx.precision, need_q=need_q,
+                                              need_v=need_v, need_taps=need_w)
         dw = dtaps.reshape(ctx.weight_shape).to(ctx.weight_dtype) if need_w else None
         return (dq if need_q else None, dk if need_k else None, dv if need_v else None, dw,
                 None, None, None, None, None)

@@ -345,7 +345,8 @@ if triton is not None:
     def _core_fwd_kernel(QL, KL, W, STAT, ZW, ZS, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
                          OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr, KEEP: tl.constexpr):
-        # HAS_W: ZW = Z·W (m × d); otherwise Z itself (m × m, W unused), for Z·W computed later — the split form
+        # HAS_W: ZW = Z·W (m × d), W rounded to the inputs' dtype first (a no-op for W in that dtype; the one-node
+        # layer passes its only copy, in fp32); otherwise Z itself (m × m, W unused), for Z·W computed later — the split form
         # that lets the iteration run on a second stream while pass 1 computes W. KEEP: the iterate entering each
         # step goes to ZS, so the backward need not replay the forward (few matrices: its latency is the cost).
         bh = tl.program_id(0)
@@ -361,7 +362,7 @@ if triton is not None:
             for _ in range(ITERS):
                 z = _pinv_step(a, z, eye, PREC)
         if HAS_W:
-            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(QL.dtype.element_ty), IS_F64)
             _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
         else:
             _store_landmark_tile(ZW, bh, z, M, M, BLOCK, BLOCK)
@@ -389,7 +390,7 @@ if triton is not None:
             zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
             z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
         if HAS_W:
-            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D), IS_F64)
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(QL.dtype.element_ty), IS_F64)
             g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
             if TRANSPOSED:
@@ -451,12 +452,12 @@ if triton is not None:
     def _lq_fwd_kernel(QL, K, skb, skh, skn, skd, V, svb, svh, svn, svd, BIAS, ACC, MAX, SUM, OUT, OUT_LOW, LSE,
                        H, N, M, D, scale, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                        TILES: tl.constexpr, PREC: tl.constexpr, IS_F64: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       FINISH: tl.constexpr):
+                       FINISH: tl.constexpr, HAS_LOW: tl.constexpr):
         # Pass 1, split over keys: the m landmark queries against TILES blocks of keys with an online softmax;
         # this program's (running max, sum, weighted V) go to ACC/MAX/SUM for _lq_combine_kernel. At long n
         # and small batch this puts n / (BLOCK_K·TILES) programs on each (batch, head) instead of one.
         # FINISH (one program per (batch, head), e.g. n = 512 in bf16): it writes what the combine would, W in
-        # OUT (fp32) and OUT_LOW (the inputs' dtype), its log-sum-exp in LSE — one launch fewer.
+        # OUT (fp32) and OUT_LOW (the inputs' dtype; HAS_LOW), its log-sum-exp in LSE — one launch fewer.
         bh, b, h = _batch_head(H)
         lm = tl.arange(0, BLOCK_M)
         ql = _landmark_tile(QL, bh, M, D, BLOCK_M, BLOCK_D)
@@ -476,7 +477,8 @@ if triton is not None:
         if FINISH:
             out = acc / l_i[:, None]
             _store_landmark_tile(OUT, bh, out, M, D, BLOCK_M, BLOCK_D)
-            _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
+            if HAS_LOW:
+                _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
             tl.store(LSE + bh.to(tl.int64) * M + lm, m_i + tl.log(l_i), mask=lm < M)
         else:
             _store_partial(ACC, acc, bh, BLOCK_M, BLOCK_D)
@@ -486,9 +488,10 @@ if triton is not None:
 
     @triton.jit
     def _lq_combine_kernel(ACC, MAX, SUM, OUT, OUT_LOW, LSE, M, D, NPROG: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, HAS_LOW: tl.constexpr):
         # Pass 1's NPROG programs over key blocks of one (batch·head), combined: W = Σ_p e^(max_p − top) acc_p /
-        # Σ_p e^(max_p − top) sum_p (in OUT, fp32) and in the inputs' dtype (OUT_LOW), its log-sum-exp in LSE.
+        # Σ_p e^(max_p − top) sum_p (in OUT, fp32) and in the inputs' dtype (OUT_LOW; HAS_LOW), its log-sum-exp in
+        # LSE.
         bh = tl.program_id(0).to(tl.int64)
         lm = tl.arange(0, BLOCK_M)
         tile = lm[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
@@ -504,7 +507,8 @@ if triton is not None:
             acc += weight[:, None] * tl.load(ACC + part * BLOCK_M * BLOCK_D + tile)
         out = acc / total[:, None]
         _store_landmark_tile(OUT, bh, out, M, D, BLOCK_M, BLOCK_D)
-        _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
+        if HAS_LOW:
+            _store_landmark_tile(OUT_LOW, bh, out, M, D, BLOCK_M, BLOCK_D)
         tl.store(LSE + bh * M + lm, top + tl.log(total), mask=lm < M)
 
     @triton.jit
@@ -925,21 +929,23 @@ def _core_stats(q_land: torch.Tensor, k_land: torch.Tensor) -> tuple[torch.Tenso
     return stat, cols
 
 
-def _kept_shape(q_land: torch.Tensor, iters: int, keep: bool) -> tuple:
+def _kept_shape(q_land: torch.Tensor, iters: int, keep: bool, always: bool = False) -> tuple:
     """Where the forward keeps its iterates for the backward: (b·h, iters + 1, block, block) — the iterate entering
-    each step, then the final one — for at most CORE_KEEP_MAX matrices, else (0,) (the backward then replays the
-    forward into a scratch buffer of b·h · iters blocks)."""
+    each step, then the final one — for at most CORE_KEEP_MAX matrices (any number if ``always``: a forward run
+    inside the backward, whose iterates live only until the core's backward right after), else (0,) (the backward
+    then replays the forward into a scratch buffer of b·h · iters blocks)."""
     nbh = q_land.shape[0] * q_land.shape[1]
     block = _block(q_land.shape[-2])
-    return (nbh, iters + 1, block, block) if keep and nbh <= CORE_KEEP_MAX and iters > 0 else (0,)
+    return (nbh, iters + 1, block, block) if keep and (always or nbh <= CORE_KEEP_MAX) and iters > 0 else (0,)
 
 
-def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep):
+def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, always=False):
+    """Z·W (``has_w``; in the landmarks' dtype whatever W's) or Z, and the iterates kept (``_kept_shape``)."""
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
-    out = (torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else
+    out = (torch.empty(w.shape, device=w.device, dtype=q_land.dtype) if has_w else
            torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
-    zs = torch.empty(_kept_shape(q_land, iters, keep), device=stat.device, dtype=stat.dtype)
+    zs = torch.empty(_kept_shape(q_land, iters, keep, always), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
                                zs, m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
                                num_warps=_core_warps(m, d), **c)
@@ -953,7 +959,7 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w,
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
     work = stat.dtype
     block = c["BLOCK"]
-    dw = torch.empty(w.shape, device=w.device, dtype=w.dtype) if has_w else None
+    dw = torch.empty(w.shape, device=w.device, dtype=q_land.dtype) if has_w else None
     da = torch.empty(b * h, block, block, device=g.device, dtype=work)
     ddiv = torch.empty(b * h, device=g.device, dtype=work)
     ntie = torch.empty_like(ddiv)
@@ -972,7 +978,7 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w,
     return dq_land, dk_land, dw
 
 
-@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (w.new_empty(w.shape),
+@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (q_land.new_empty(w.shape),
                                                                    stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
                   precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -983,7 +989,7 @@ def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, s
 
 @_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
                                                                          k_land.new_empty(k_land.shape),
-                                                                         w.new_empty(w.shape)))
+                                                                         q_land.new_empty(w.shape)))
 def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
                    cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
                    precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1091,11 +1097,10 @@ def _lq_forward_fake(q_land, k, v, key_bias):
     return out, q_land.new_empty(q_land.shape[:-1], dtype=acc), q_land.new_empty(q_land.shape)
 
 
-@_opaque(_lq_forward_fake)
-def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                key_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W (in the accumulation dtype), its log-sum-exp, and W in the inputs' dtype (all three from one combine
-    launch after the key-block programs)."""
+def lq_forward_raw(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: Optional[torch.Tensor],
+                   low: bool = True) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """W (in the accumulation dtype), its log-sum-exp, and (``low``) W in the inputs' dtype, else None — all from
+    the one program per (batch, head) or one combine launch after the key-block programs."""
     b, h, m, d = q_land.shape
     n = k.shape[-2]
     q_land = q_land.contiguous()
@@ -1104,19 +1109,28 @@ def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tiles = min(8, _cdiv(n, c["BLOCK_K"]))
     nprog = _cdiv(n, c["BLOCK_K"] * tiles)
     out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
-    out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype)  # a copy even if the same dtype
+    out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype) if low else None
     lse = torch.empty(b, h, m, device=k.device, dtype=acc_t)
     finish = nprog == 1  # the one program writes W itself (FINISH: the partials are never read)
     acc = out if finish else torch.empty(b * h, nprog, c["BLOCK_M"], c["BLOCK_D"], device=k.device, dtype=acc_t)
     mx = lse if finish else torch.empty(b * h, nprog, c["BLOCK_M"], device=k.device, dtype=acc_t)
     sm = lse if finish else torch.empty_like(mx)
+    low_or = out_low if low else out  # a stand-in pointer, never written
     _lq_fwd_kernel[(b * h, nprog)](q_land, k, *k.stride(), v, *v.stride(), _bias_or(key_bias, k), acc, mx, sm,
-                                   out, out_low, lse, h, n, m, d, d ** -0.5, TILES=tiles,
-                                   HAS_BIAS=key_bias is not None, FINISH=finish, **c)
+                                   out, low_or, lse, h, n, m, d, d ** -0.5, TILES=tiles,
+                                   HAS_BIAS=key_bias is not None, FINISH=finish, HAS_LOW=low, **c)
     if not finish:
-        _lq_combine_kernel[(b * h,)](acc, mx, sm, out, out_low, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"],
-                                     BLOCK_D=c["BLOCK_D"], num_warps=4)
+        _lq_combine_kernel[(b * h,)](acc, mx, sm, out, low_or, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"],
+                                     BLOCK_D=c["BLOCK_D"], HAS_LOW=low, num_warps=4)
     return out, lse, out_low
+
+
+@_opaque(_lq_forward_fake)
+def _lq_forward(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                key_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lq_forward_raw`` with W in the inputs' dtype too (a copy even if the same dtype: a custom op's outputs
+    do not alias)."""
+    return lq_forward_raw(q_land, k, v, key_bias, low=True)
 
 
 def _lq_backward_fake(q_land, k, v, key_bias, out, lse, g):
@@ -1500,38 +1514,40 @@ CONV_IN_PASS_2 = True
 DQ_PARTIALS_IN_SEGMENT_MEANS_MAX = 4
 
 
-def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision):
+def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save):
     b, h, n, d = q.shape
     acc = _acc_dtype(q.dtype)
     land = (b, h, m, d)
     q_land = q.new_empty(land)
     return (torch.empty_like(q), q_land, k.new_empty(land), q.new_empty(land, dtype=acc),
-            q.new_empty((b, h, m), dtype=acc), q.new_empty(land), q.new_empty(land), q.new_empty((b, h), dtype=acc),
-            q.new_empty((b, h, m), dtype=acc), q.new_empty(_kept_shape(q_land, iters, True), dtype=acc))
+            q.new_empty((b, h, m), dtype=acc), q.new_empty(land), q.new_empty((b, h), dtype=acc),
+            q.new_empty((b, h, m), dtype=acc), q.new_empty(_kept_shape(q_land, iters, save), dtype=acc))
 
 
 @_opaque(_layer_forward_fake)
 def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], m: int, iters: int,
-                   precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype), pass 1's
-    log-sum-exp, W (inputs' dtype), Z·W, the core's batch statistics and kept iterates."""
+                   precision: str, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+    """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype, the only
+    copy: the core rounds it to the inputs' dtype itself), pass 1's log-sum-exp, Z·W, the core's batch statistics
+    and (``save``: for a backward that reads them) kept iterates."""
     q_land, k_land = segment_means_raw(q, keep, m, x2=k)
-    w_acc, lse, w = _lq_forward(q_land, k, v, key_bias)
+    w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
     stat, cols = _core_stats(q_land, k_land)
-    zw, zs = _core_forward(q_land, k_land, w, stat, iters, precision, True)
+    zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save)
     if taps is not None and CONV_IN_PASS_2:
         out = lk_forward_raw(q, keep, k_land, zw, v, taps)
     else:
         out = lk_forward_raw(q, keep, k_land, zw)
         if taps is not None:  # in place: each element of pass 2's output is read, then written, by one program
             conv_raw(v, keep, taps, out, in_mask=True, out_mask=False, out=out)
-    return out, q_land, k_land, w_acc, lse, w, zw, stat, cols, zs
+    return out, q_land, k_land, w, lse, zw, stat, cols, zs
 
 
-def _layer_backward_fake(q, k, v, keep, key_bias, taps, q_land, k_land, w_acc, lse, w, zw, stat, cols, zs, g,
-                         iters, precision, need_q, need_v, need_taps):
+def _layer_backward_fake(q, k, v, keep, key_bias, taps, stat, cols, q_land, k_land, w, lse, zw, zs, g, m, iters,
+                         precision, need_q, need_v, need_taps):
     dtaps = stat.new_empty(taps.shape) if taps is not None and need_taps else stat.new_empty(0)
     return (torch.empty_like(q) if need_q else q.new_empty(0), torch.empty_like(k),
             torch.empty_like(v) if need_v else v.new_empty(0), dtaps)
@@ -1539,21 +1555,29 @@ def _layer_backward_fake(q, k, v, keep, key_bias, taps, q_land, k_land, w_acc, l
 
 @_opaque(_layer_backward_fake)
 def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], q_land: torch.Tensor,
-                    k_land: torch.Tensor, w_acc: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, zw: torch.Tensor,
-                    stat: torch.Tensor, cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
-                    precision: str, need_q: bool, need_v: bool,
-                    need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], stat: torch.Tensor,
+                    cols: torch.Tensor, q_land: Optional[torch.Tensor], k_land: Optional[torch.Tensor],
+                    w: Optional[torch.Tensor], lse: Optional[torch.Tensor], zw: Optional[torch.Tensor],
+                    zs: Optional[torch.Tensor], g: torch.Tensor, m: int, iters: int, precision: str, need_q: bool,
+                    need_v: bool, need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in their inputs' layouts and d(taps) (h, k) in the accumulation dtype, from the output gradient g
-    (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made)."""
+    (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made).
+    Without the landmark tensors (q_land None: ``NYSTROM_RECOMPUTE=1``) it first recomputes them as the forward
+    did — the same kernels on the same inputs, so the same values — and keeps the core's iterates for its
+    backward, which then does not replay the iteration."""
     n = q.shape[-2]
+    if q_land is None:
+        q_land, k_land = segment_means_raw(q, keep, m, x2=k)
+        w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
+        zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, always=True)
     # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
     # (ptxas, sm_90; 1,712 vs 1,364 B) for a gradient ~4% more accurate
     dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
     dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision,
                                          has_w=True, land_dtype=stat.dtype)
+    del zs  # kept iterates (recomputed ones included): not needed past the core's backward
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
-    dql_parts, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w_acc, lse, dw,
+    dql_parts, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w, lse, dw,
                                         seg=(keep, dk_land, dkl_pass2) if fuse_k else None, partials=True)
     if not fuse_k:
         segment_means_grad(dk_land, keep, n, add=dk, out=dk, g2=dkl_pass2)
@@ -1571,10 +1595,16 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     return dq if need_q else q.new_empty(0), dk, dv if need_v else v.new_empty(0), dtaps
 
 
-def layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision):
+def layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save=True):
+    """The one-node layer's forward: (out, q_land, k_land, w, lse, zw, stat, cols, zs); ``save``: the landmark
+    tensors will be kept for the backward (False with NYSTROM_RECOMPUTE=1: the iterates are not kept either)."""
     _check()
-    return _layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision)
+    return _layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save)
 
 
-def layer_backward(*saved_and_g, iters, precision, need_q, need_v, need_taps):
-    return _layer_backward(*saved_and_g, iters, precision, need_q, need_v, need_taps)
+def layer_backward(q, k, v, keep, key_bias, taps, stat, cols, landmarks, g, *, m, iters, precision, need_q, need_v,
+                   need_taps):
+    """dq, dk, dv, dtaps; ``landmarks`` = (q_land, k_land, w, lse, zw, zs) as the forward returned them, or None
+    to recompute them here."""
+    return _layer_backward(q, k, v, keep, key_bias, taps, stat, cols, *(landmarks or (None,) * 6), g, m, iters,
+                           precision, need_q, need_v, need_taps)
