@@ -15,6 +15,8 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
                  stream beside pass 1, forward and backward
   fast-triton-all-conv-apart  (only when named in --impls) fast-triton-all with the conv added by its own kernel
                  after pass 2, as timed on 2026-11-23, instead of inside pass 2's forward
+  fast-triton-all-recompute  (only when named in --impls) fast-triton-all with NYSTROM_RECOMPUTE=1: the backward
+                 recomputes the landmark-sized tensors instead of reading them (memory for time)
 
 Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
 weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
@@ -47,7 +49,7 @@ from nystromformer.config import ModelConfig  # noqa: E402
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
 # Not run by default: for comparisons of one change (--impls ... fast-triton-all-conv-apart)
-EXTRA_IMPLS = ["fast-triton-all-conv-apart"]
+EXTRA_IMPLS = ["fast-triton-all-conv-apart", "fast-triton-all-recompute"]
 
 
 def with_env(env, fn):
@@ -91,7 +93,8 @@ def make_impl(name, layer):
         return torch.bfloat16, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=False, **kw)
     if name.startswith("fast-triton"):
         env = {"NYSTROM_TRITON": "all" if "-all" in name else "1",
-               "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0"}
+               "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0",
+               "NYSTROM_RECOMPUTE": "1" if name.endswith("-recompute") else "0"}
         fn = with_env(env, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
         if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
             from nystromformer.attention import nystrom_triton  # imported when used, as nystrom_fast does

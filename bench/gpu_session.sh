@@ -74,9 +74,10 @@ stage_attention() {
     --kernels fast-triton fast-triton-all > "$d/attention.md"
   sed -n '1,/^$/p' "$d/attention.md"
   limited "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
-  # the conv inside pass 2's forward (seventeenth session, CPU only) against the conv kernel after it
+  # the one-node layer's variants, built on the CPU: the conv inside pass 2's forward (seventeenth session)
+  # against the conv kernel after it; the landmarks recomputed in the backward (NYSTROM_RECOMPUTE=1, eighteenth)
   limited "$python" bench/attention_speed.py --impls sdpa fast-triton-all fast-triton-all-conv-apart \
-    --lengths 512 4096 65536 --check | tee "$d/conv-in-pass-2.md"
+    fast-triton-all-recompute --lengths 512 4096 65536 --check | tee "$d/one-node-variants.md"
 }
 
 stage_model() {
@@ -87,7 +88,8 @@ stage_model() {
       $([ "$fp32" = true ] && echo --host-profile nystrom nystrom-all) >> "$d/model-512.md"
   done
   limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --models nystrom nystrom-all softmax \
-    hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
+    hf-nystromformer hf-roberta attention-free nystrom-overlap nystrom-all-overlap nystrom-all-recompute \
+    --attention-fp32 false --kernels nystrom-all > "$d/model-4096.md"
   grep -h -A10 '^# MLM' "$d/model-512.md" "$d/model-4096.md"
 }
 

@@ -132,7 +132,9 @@ def main(argv=None):
             ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all"),
             # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
             ("nystrom, NYSTROM_TRITON=1, NYSTROM_OVERLAP=1", "nystrom", "1+overlap"),
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap")]
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap"),
+            # the landmark-sized tensors recomputed in the backward instead of kept
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all+recompute")]
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
@@ -142,9 +144,11 @@ def main(argv=None):
     for label, variant, mode in rows:
         cells, hosts = [], []
         for mask in ("ones", "none"):
-            kernels, _, overlap = mode.partition("+")
+            kernels, _, switch = mode.partition("+")
             env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
-                       NYSTROM_OVERLAP="1" if overlap else "0", NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+                       NYSTROM_OVERLAP="1" if switch == "overlap" else "0",
+                       NYSTROM_RECOMPUTE="1" if switch == "recompute" else "0", NYSTROM_IMPL="fast",
+                       OMP_NUM_THREADS="1")
             cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--dtype", args.dtype,
                    "--child", variant, mask]
             if args.verbose:

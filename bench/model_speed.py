@@ -7,6 +7,7 @@ on CUDA, unpadded full-length batches of random tokens. Models (same size, Model
   nystrom-all           the same with NYSTROM_TRITON=all (attention-pass kernels, one-node backward)
   nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
   nystrom[-all]-overlap the same with NYSTROM_OVERLAP=1 (kernel_2 and the pseudo-inverse on a second CUDA stream)
+  nystrom-all-recompute nystrom-all with NYSTROM_RECOMPUTE=1 (the backward recomputes the landmark-sized tensors)
   softmax               our model, attn_type softmax (SDPA)
   hf-nystromformer      transformers.NystromformerForMaskedLM built by nystromformer.interop (when importable)
   hf-roberta            transformers.RobertaForMaskedLM with SDPA, same size: the softmax baseline issue #6 quotes
@@ -55,13 +56,14 @@ from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
-          "nystrom-overlap", "nystrom-all-overlap"]
+          "nystrom-overlap", "nystrom-all-overlap", "nystrom-all-recompute"]
 # The switches each of our Nyström variants runs under (set for its build and steps over the caller's own, e.g.
 # NYSTROM_IMPL=fast for the CUDA path's code on CPU; restored after)
 ENV = {"nystrom-all": {"NYSTROM_TRITON": "all"}, "nystrom-reference": {"NYSTROM_IMPL": "reference"},
        "nystrom-overlap": {"NYSTROM_OVERLAP": "1"}, "nystrom-all-overlap": {"NYSTROM_TRITON": "all",
-                                                                          "NYSTROM_OVERLAP": "1"}}
-SWITCHES = ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP")
+                                                                          "NYSTROM_OVERLAP": "1"},
+       "nystrom-all-recompute": {"NYSTROM_TRITON": "all", "NYSTROM_RECOMPUTE": "1"}}
+SWITCHES = ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP", "NYSTROM_RECOMPUTE")
 HF_MODELS = ("hf-nystromformer", "hf-roberta")
 
 

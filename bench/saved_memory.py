@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 
-# (label, attention type, NYSTROM_TRITON, NYSTROM_OVERLAP)
-VARIANTS = [("softmax (SDPA)", "softmax", "0", "0"), ("nystrom, PyTorch ops", "nystrom", "0", "0"),
-            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1", "0"),
-            ("nystrom, NYSTROM_TRITON=all", "nystrom", "all", "0"),
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all", "1")]
+# (label, attention type, NYSTROM_TRITON, NYSTROM_OVERLAP, NYSTROM_RECOMPUTE)
+VARIANTS = [("softmax (SDPA)", "softmax", "0", "0", "0"), ("nystrom, PyTorch ops", "nystrom", "0", "0", "0"),
+            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1", "0", "0"),
+            ("nystrom, NYSTROM_TRITON=all", "nystrom", "all", "0", "0"),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all", "1", "0"),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all", "0", "1")]
 
 
 def saved_storages(root: torch.Tensor, exclude=(), min_bytes=0):
@@ -153,9 +154,9 @@ def main(argv=None):
           "| × softmax (peak) | largest saved, by node (MiB) |")
     print("|---|---|---|---|---|---|---|")
     base = base_peak = None
-    for label, attn, kernels, overlap in VARIANTS:
+    for label, attn, kernels, overlap, recompute in VARIANTS:
         env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=overlap,
-                   NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+                   NYSTROM_RECOMPUTE=recompute, NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
         cmd = [sys.executable, __file__, "--n", str(args.n), "--batch", str(args.batch), "--layers", str(args.layers),
                "--child", attn] + (["--verbose"] if args.verbose else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

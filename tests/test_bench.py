@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_script(*args: str, **env_vars: str) -> list[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP", "TRITON_INTERPRET"):
+    for key in ("NYSTROM_IMPL", "NYSTROM_TRITON", "NYSTROM_OVERLAP", "NYSTROM_RECOMPUTE", "TRITON_INTERPRET"):
         env.pop(key, None)
     env.update(env_vars)
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -44,13 +44,15 @@ def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors(
             assert float(err) < 1e-2      # bf16 against the fp32 reference
 
 
-def test_attention_speeds_conv_apart_variant_runs_the_conv_kernel_after_pass_2_and_restores_the_switch():
-    # The GPU session's comparison of the conv inside pass 2 with the conv kernel after it (bf16 there; here fp32
-    # inputs under the interpreter, which cannot run bf16 products): the same function, the switch restored.
+def test_attention_speeds_one_node_variants_run_what_they_name_and_restore_the_switches():
+    # The GPU session's comparisons of the one-node layer's variants (bf16 there; here fp32 inputs under the
+    # interpreter, which cannot run bf16 products): the conv kernel after pass 2 instead of the conv inside it;
+    # the landmark-sized tensors recomputed in the backward (nothing landmark-sized kept). The same function and
+    # gradients; the switches restored.
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
     script = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, "bench")
 import attention_speed as a
 from nystromformer.attention import nystrom_triton as nt
@@ -60,17 +62,21 @@ nt.conv_raw = lambda *args, **kw: calls.append(kw.get("flip", False)) or conv_ra
 layer = a.build_attention(a.ModelConfig(num_head=2, head_dim=16, transformer_dim=32, num_landmarks=8,
                                         conv_kernel_size=5))
 (q, k, v), mask = a.inputs(2, 67, 2, 16, torch.float32, torch.device("cpu"), 0.0)
-outs = []
-for name in ("fast-triton-all", "fast-triton-all-conv-apart"):
+outs, grads, kept = [], [], []
+for name in ("fast-triton-all", "fast-triton-all-conv-apart", "fast-triton-all-recompute"):
     _, fn = a.make_impl(name, layer)
     out = fn(q, k, v, None)
-    out.sum().backward()
+    kept.append(sum(t.shape[-2:] == (8, 16) for t in out.grad_fn.saved_tensors if t is not None))
+    grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     outs.append(out.detach())
-print(calls, nt.CONV_IN_PASS_2, float((outs[0] - outs[1]).abs().max()))
+diff = max(float((o - outs[0]).abs().max()) for o in outs)
+gdiff = max(float((a - b).abs().max()) for g in grads for a, b in zip(g, grads[0]))
+print(calls, kept, nt.CONV_IN_PASS_2, os.environ.get("NYSTROM_RECOMPUTE"), diff, gdiff)
 """
     lines = run_script("-c", script, TRITON_INTERPRET="1")
-    calls, switch, diff = lines[-1].rsplit(" ", 2)
-    assert calls == "[True, False, True]" and switch == "True" and float(diff) < 1e-5, lines[-1]
+    calls, kept, switch, recompute, diff, gdiff = lines[-1].replace(", ", ",").split(" ")
+    assert calls == "[True,False,True,True]" and kept == "[4,4,0]", lines[-1]   # Q̃, K̃, W, Z·W kept, or none
+    assert switch == "True" and recompute == "None" and float(diff) < 1e-5 and float(gdiff) < 1e-4, lines[-1]
 
 
 def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
