@@ -298,7 +298,7 @@ RECOMPUTE_MODES = ("0", "1")
 
 def recompute_mode() -> bool:
     """``NYSTROM_RECOMPUTE=1``: the one-node training layer (``NYSTROM_TRITON=all``) keeps only q, k, v and the
-    core's batch statistics for its backward, which recomputes the landmarks, W and Z·W (3 launches and an
+    core's batch statistics for its backward, which recomputes the landmarks, W and Z·W (3–4 launches and an
     n-long read of q, k, v more per layer) — activation memory then at or below the softmax layer's, which keeps
     its log-sum-exp (b·h·n numbers) besides q, k, v and the output. Default 0: the landmark-sized tensors (Q̃, K̃,
     W, Z·W: 1/8 of a q-sized tensor each at n = 512 and 64 landmarks, 1/64 at 4096) are kept. Only meaningful
