@@ -809,12 +809,17 @@ def test_interp_one_node_recomputing_its_landmarks_keeps_only_q_k_v_and_gives_th
     params = (q, k, v, att.conv.weight)
     kw = dict(num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
     g = torch.randn(2, H, n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    from nystromformer.attention import nystrom_triton as nt
+    kept_iterates, core_reverse = [], nt._core_reverse
+    monkeypatch.setattr(nt, "_core_reverse", lambda *a, **kw: kept_iterates.append(a[5].numel() > 0) or
+                        core_reverse(*a, **kw))
     outs, grads, saved = {}, {}, {}
     for mode in ("0", "1"):
         monkeypatch.setenv("NYSTROM_RECOMPUTE", mode)
         outs[mode] = nystrom_fast.forward(q, k, v, mask, **kw)
         saved[mode] = [t for t in outs[mode].grad_fn.saved_tensors if t is not None]
         grads[mode] = torch.autograd.grad(outs[mode], params, g)
+    assert kept_iterates == [False, True]   # recomputing, the core's backward reads iterates instead of replaying
     inputs_and_taps = {t.untyped_storage().data_ptr() for t in (q, k, v, att.conv.weight)}
     rest = {mode: [t for t in saved[mode] if t.untyped_storage().data_ptr() not in inputs_and_taps
                    and t.shape != (2, n)] for mode in saved}           # (2, n): the keep vector and key bias
@@ -825,6 +830,64 @@ def test_interp_one_node_recomputing_its_landmarks_keeps_only_q_k_v_and_gives_th
     assert all(torch.equal(a, b) for a, b in zip(grads["0"], grads["1"]))
     ref = torch.autograd.grad(att.reference_forward(q, k, v, mask if pad else torch.ones(2, n)), params, g)
     assert all(rel(a, b) < FP64_TOL for a, b in zip(grads["1"], ref))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("init,num_landmarks,fused", [("exact", 8, None), ("original", 8, False)])
+def test_interp_recompute_asked_of_a_layer_that_cannot_is_a_warning_not_silence(init, num_landmarks, fused,
+                                                                                 monkeypatch):
+    # Only the one-node layer recomputes (init "original", at most 64 landmarks, the fused backward); elsewhere
+    # NYSTROM_RECOMPUTE=1 would be silently without effect. Inference (nothing kept) and m >= n (no landmarks)
+    # stay quiet.
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    monkeypatch.setenv("NYSTROM_RECOMPUTE", "1")
+    (q, k, v), mask = inputs(2, 67, pad=(0, 9), seed=4)
+    kw = dict(init=init, use_triton=True, fused_backward=fused)
+    with pytest.warns(UserWarning, match=f"NYSTROM_RECOMPUTE=1 does not apply to this layer .*init='{init}'"):
+        nystrom_fast.forward(q, k, v, mask, num_landmarks=num_landmarks, **kw)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            nystrom_fast.forward(q, k, v, mask, num_landmarks=num_landmarks, **kw)
+        nystrom_fast.forward(q, k, v, mask, num_landmarks=67, **kw)
+
+
+@needs_interpreter
+def test_interp_core_rounds_a_wider_w_to_the_dtype_of_z_w_as_a_copy_in_that_dtype_would_be():
+    # The one-node layer keeps W once, in fp32, and asks for Z·W (and dW) in the inputs' dtype: the core kernels
+    # round W to Z·W's dtype as they load it, forward and backward — the results of a bf16 copy of W, bit for bit.
+    # W's entries sit a quarter to half a bf16 unit above a bf16 value (x·(1 + 2⁻⁹)), where rounding to nearest
+    # (a GPU) and truncation (the interpreter) agree. landmark_core, whose Z·W has W's dtype, does not round.
+    from nystromformer.attention import nystrom_triton as nt
+    gen = torch.Generator().manual_seed(0)
+    q_land, k_land, w_low, dzw = (torch.randn(2, 2, 8, 16, generator=gen).to(torch.bfloat16) for _ in range(4))
+    w = w_low.float() * (1 + 2 ** -9)
+    assert not torch.equal(w, w_low.float()) and torch.equal(w.to(torch.bfloat16), w_low)
+    stat, cols = nt._core_stats(q_land, k_land)
+    zw, _ = nt._core_iterate(q_land, k_land, w, stat, 3, "ieee", has_w=True, keep=False, zw_dtype=torch.bfloat16)
+    zw_low, _ = nt._core_iterate(q_land, k_land, w_low, stat, 3, "ieee", has_w=True, keep=False)
+    assert zw.dtype == torch.bfloat16 and torch.equal(zw, zw_low)
+    replay = stat.new_empty(0)
+    grads = nt._core_reverse(q_land, k_land, w, stat, cols, replay, dzw, 3, "ieee", has_w=True,
+                             dw_dtype=torch.bfloat16)
+    grads_low = nt._core_reverse(q_land, k_land, w_low, stat, cols, replay, dzw, 3, "ieee", has_w=True)
+    assert grads[2].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(grads, grads_low))
+    assert nt.landmark_core(q_land, k_land, w, 3, "ieee").dtype == torch.float32     # W's dtype, not rounded
+    assert not torch.equal(nt.landmark_core(q_land, k_land, w, 3, "ieee"), zw.float())
+
+
+@needs_interpreter
+def test_interp_one_node_forward_in_bf16_is_the_per_kernel_paths_bit_for_bit(monkeypatch):
+    # Without the conv (added at a different rounding step by the two paths), the one-node layer's output in bf16
+    # equals the per-kernel autograd path's, which rounds W to bf16 in pass 1 and passes that copy to the core.
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    (q, k, v), mask = inputs(2, 300, pad=(0, 13), seed=3)
+    q, k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    outs = [nystrom_fast.forward(q, k, v, mask, num_landmarks=8, use_triton=True, fused_backward=fused)
+            for fused in (True, False)]
+    assert [type(o.grad_fn).__name__ for o in outs] == ["_TritonNystromBackward", "_LandmarkKeysAttentionBackward"]
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_interpreter

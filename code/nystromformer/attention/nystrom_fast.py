@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -156,15 +157,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     pass_keep, pass_bias = (kernel_keep if attention_kernels else keep), bias
     landmark_args = (pass_keep, pass_bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
 
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if num_landmarks >= n:
         out = F.scaled_dot_product_attention(masked(q), masked(k), v, attn_mask=_key_bias(bias))
-    elif (fused_backward and attention_kernels and init == "original" and not overlap_mode()
-          and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+    elif fused_backward and attention_kernels and init == "original" and not overlap_mode() and training:
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each (custom ops
         # under torch.compile, so the compiled step runs it too).
         return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, bias, num_landmarks, pinv_iterations,
                                     pinv_precision)
     else:
+        if training and all_kernels and recompute_mode():  # asked for, but this layer cannot: say so
+            warnings.warn(f"NYSTROM_RECOMPUTE=1 does not apply to this layer (num_landmarks={num_landmarks}, "
+                          f"init={init!r}{', fused_backward=False' if not fused_backward else ''}): it runs the "
+                          f"per-kernel path, which keeps its landmark tensors; only the one-node layer "
+                          f"(num_landmarks <= {MAX_LANDMARKS}, init='original') recomputes them", stacklevel=2)
         if use_triton:
             from .nystrom_triton import segment_means_masked
             q_land = segment_means_masked(q, kernel_keep, num_landmarks)
@@ -303,7 +309,8 @@ def recompute_mode() -> bool:
     its log-sum-exp (b·h·n numbers) besides q, k, v and the output. Default 0: the landmark-sized tensors (Q̃, K̃,
     W, Z·W: 1/8 of a q-sized tensor each at n = 512 and 64 landmarks, 1/64 at 4096) are kept. Only meaningful
     with ``NYSTROM_TRITON=all`` and without ``NYSTROM_OVERLAP=1``: any other combination is an error, not a
-    setting silently ignored."""
+    setting silently ignored; a training layer the one-node path does not cover (more than 64 landmarks,
+    ``init="exact"``, ``fused_backward=False``) warns."""
     mode = os.environ.get("NYSTROM_RECOMPUTE", "0")
     if mode not in RECOMPUTE_MODES:
         raise AttentionSettingError(f"NYSTROM_RECOMPUTE: expected one of {', '.join(RECOMPUTE_MODES)}, got "

@@ -345,8 +345,10 @@ if triton is not None:
     def _core_fwd_kernel(QL, KL, W, STAT, ZW, ZS, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
                          OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr, KEEP: tl.constexpr):
-        # HAS_W: ZW = Z·W (m × d), W rounded to the inputs' dtype first (a no-op for W in that dtype; the one-node
-        # layer passes its only copy, in fp32); otherwise Z itself (m × m, W unused), for Z·W computed later — the split form
+        # HAS_W: ZW = Z·W (m × d), W rounded to ZW's dtype first (a no-op where they match, as in landmark_core;
+        # the one-node layer passes its only copy of W, in fp32, for a Z·W in the inputs' dtype; the backward
+        # rounds it to G's, Z·W's, likewise); otherwise Z itself (m × m, W unused), for Z·W computed later — the
+        # split form
         # that lets the iteration run on a second stream while pass 1 computes W. KEEP: the iterate entering each
         # step goes to ZS, so the backward need not replay the forward (few matrices: its latency is the cost).
         bh = tl.program_id(0)
@@ -362,7 +364,7 @@ if triton is not None:
             for _ in range(ITERS):
                 z = _pinv_step(a, z, eye, PREC)
         if HAS_W:
-            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(QL.dtype.element_ty), IS_F64)
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(ZW.dtype.element_ty), IS_F64)
             _store_landmark_tile(ZW, bh, tl.dot(z, w, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
         else:
             _store_landmark_tile(ZW, bh, z, M, M, BLOCK, BLOCK)
@@ -390,7 +392,7 @@ if triton is not None:
             zs = ZS + bh.to(tl.int64) * ITERS * BLOCK * BLOCK + square
             z = _pinv_replay(a, tl.trans(a) / div, eye, zs, ITERS, BLOCK, PREC)
         if HAS_W:
-            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(QL.dtype.element_ty), IS_F64)
+            w = _to_work(_landmark_tile(W, bh, M, D, BLOCK, BLOCK_D).to(G.dtype.element_ty), IS_F64)
             g = _to_work(_landmark_tile(G, bh, M, D, BLOCK, BLOCK_D), IS_F64)
             _store_landmark_tile(DW, bh, tl.dot(tl.trans(z), g, input_precision=OUTER), M, D, BLOCK, BLOCK_D)
             if TRANSPOSED:
@@ -939,11 +941,11 @@ def _kept_shape(q_land: torch.Tensor, iters: int, keep: bool, always: bool = Fal
     return (nbh, iters + 1, block, block) if keep and (always or nbh <= CORE_KEEP_MAX) and iters > 0 else (0,)
 
 
-def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, always=False):
-    """Z·W (``has_w``; in the landmarks' dtype whatever W's) or Z, and the iterates kept (``_kept_shape``)."""
+def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, always=False, zw_dtype=None):
+    """Z·W (``has_w``; in ``zw_dtype``, default W's) or Z, and the iterates kept (``_kept_shape``)."""
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
-    out = (torch.empty(w.shape, device=w.device, dtype=q_land.dtype) if has_w else
+    out = (torch.empty(w.shape, device=w.device, dtype=zw_dtype or w.dtype) if has_w else
            torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
     zs = torch.empty(_kept_shape(q_land, iters, keep, always), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
@@ -952,14 +954,15 @@ def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, always
     return out, zs
 
 
-def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None):
-    """The core's backward: dQ̃, dK̃ (in ``land_dtype``, default the landmarks' own) and dW (None without W)."""
+def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None, dw_dtype=None):
+    """The core's backward: dQ̃, dK̃ (in ``land_dtype``, default the landmarks' own) and dW (None without W; in
+    ``dw_dtype``, default W's). W is rounded to g's dtype, as the forward rounded it to Z·W's."""
     b, h, m, d = q_land.shape
     c = _core_consts(q_land, precision)
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
     work = stat.dtype
     block = c["BLOCK"]
-    dw = torch.empty(w.shape, device=w.device, dtype=q_land.dtype) if has_w else None
+    dw = torch.empty(w.shape, device=w.device, dtype=dw_dtype or w.dtype) if has_w else None
     da = torch.empty(b * h, block, block, device=g.device, dtype=work)
     ddiv = torch.empty(b * h, device=g.device, dtype=work)
     ntie = torch.empty_like(ddiv)
@@ -978,7 +981,7 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w,
     return dq_land, dk_land, dw
 
 
-@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (q_land.new_empty(w.shape),
+@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (w.new_empty(w.shape),
                                                                    stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
                   precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -989,7 +992,7 @@ def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, s
 
 @_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
                                                                          k_land.new_empty(k_land.shape),
-                                                                         q_land.new_empty(w.shape)))
+                                                                         w.new_empty(w.shape)))
 def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
                    cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
                    precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1531,12 +1534,12 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                         torch.Tensor]:
     """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype, the only
-    copy: the core rounds it to the inputs' dtype itself), pass 1's log-sum-exp, Z·W, the core's batch statistics
-    and (``save``: for a backward that reads them) kept iterates."""
+    copy: the core rounds it to Z·W's dtype, the inputs', itself), pass 1's log-sum-exp, Z·W, the core's batch
+    statistics and (``save``: for a backward that reads them) kept iterates."""
     q_land, k_land = segment_means_raw(q, keep, m, x2=k)
     w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
     stat, cols = _core_stats(q_land, k_land)
-    zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save)
+    zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save, zw_dtype=q.dtype)
     if taps is not None and CONV_IN_PASS_2:
         out = lk_forward_raw(q, keep, k_land, zw, v, taps)
     else:
@@ -1569,12 +1572,13 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     if q_land is None:
         q_land, k_land = segment_means_raw(q, keep, m, x2=k)
         w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
-        zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, always=True)
+        zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, always=True,
+                               zw_dtype=q.dtype)
     # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
     # (ptxas, sm_90; 1,712 vs 1,364 B) for a gradient ~4% more accurate
     dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
     dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision,
-                                         has_w=True, land_dtype=stat.dtype)
+                                         has_w=True, land_dtype=stat.dtype, dw_dtype=q.dtype)
     del zs  # kept iterates (recomputed ones included): not needed past the core's backward
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
     dql_parts, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w, lse, dw,
