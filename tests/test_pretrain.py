@@ -100,10 +100,23 @@ def test_mlm_loss_falls_on_a_learnable_corpus(tmp_path, data, capsys):
 
 
 @pytest.mark.parametrize("attn_type", ["softmax", "nystrom"])
-def test_both_attention_types_pretrain(tmp_path, data, attn_type):
+def test_both_attention_types_pretrain(tmp_path, data, attn_type, capsys):
     folder = model_dir(tmp_path, model={"attn_type": attn_type}, pretraining_setting={"epoch": 1})
     assert run(folder) == 0
     assert len(losses(folder)) == 4
+    # the startup line says which Nyström formulation and switches produced the numbers (none for softmax)
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("pretraining "))
+    assert start.endswith("; Nyström attention: the reference formulation on cpu") == (attn_type == "nystrom")
+    assert "Nyström" not in start or attn_type == "nystrom"
+
+
+def test_the_startup_line_names_the_fast_paths_switches(monkeypatch):
+    from nystromformer.attention.nystrom_fast import describe_switches
+    for name, value in (("NYSTROM_IMPL", "fast"), ("NYSTROM_TRITON", "all"), ("NYSTROM_RECOMPUTE", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("NYSTROM_OVERLAP", raising=False)
+    assert describe_switches(torch.device("cpu")) == ("Nyström attention: fast path, NYSTROM_TRITON=all, "
+                                                      "NYSTROM_OVERLAP=0, NYSTROM_RECOMPUTE=1")
 
 
 def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_checkpoint(tmp_path, data, monkeypatch):

@@ -439,6 +439,12 @@ class PretrainRun:
         self.say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}"
                  f"{accuracy_note(metrics)}{note}")
 
+    def _attention_note(self) -> str:
+        if self.cfg.model.attn_type != "nystrom":
+            return ""
+        from .attention.nystrom_fast import describe_switches
+        return "; " + describe_switches(self.rt.device)
+
     # ------------------------------------------------------------------------------------------- the epochs
     def train(self, stop_at_step: Optional[int]) -> int:
         """Train to the end (exit status 0), or until a signal or ``stop_at_step`` stops the run after writing a
@@ -450,7 +456,7 @@ class PretrainRun:
                  f"{len(self.train_data):,} training sequences of {self.train_data.seq_len} tokens, "
                  f"{rt.world_size} process(es) on {rt.device.type}, micro-batch {self.micro} x "
                  f"{-(-self.per_rank // self.micro)} accumulation step(s), precision "
-                 f"{rt.autocast_dtype or torch.float32}")
+                 f"{rt.autocast_dtype or torch.float32}{self._attention_note()}")
         self.model.train()
         while self.step < self.total_steps:
             epoch = self.step // self.ps.batches_per_epoch

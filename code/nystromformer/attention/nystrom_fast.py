@@ -322,6 +322,16 @@ def recompute_mode() -> bool:
     return mode == "1"
 
 
+def describe_switches(device: torch.device) -> str:
+    """The Nyström formulation and switches a run on ``device`` uses, for its startup line (a job's log then says
+    which kernels produced its numbers)."""
+    from .nystrom import use_fast_path
+    if not use_fast_path(torch.empty(0, device=device)):
+        return f"Nyström attention: the reference formulation on {device.type}"
+    return (f"Nyström attention: fast path, NYSTROM_TRITON={triton_mode()}, NYSTROM_OVERLAP={int(overlap_mode())}, "
+            f"NYSTROM_RECOMPUTE={int(recompute_mode())}")
+
+
 def _fork(x: torch.Tensor):
     """A side stream of x's device that waits for the current stream's work so far, or None where streams are
     not used (CPU; torch.compile, which would need to trace them; graph capture, kept to one stream)."""
