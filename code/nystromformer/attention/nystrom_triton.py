@@ -348,9 +348,9 @@ if triton is not None:
         # HAS_W: ZW = Z·W (m × d), W rounded to ZW's dtype first (a no-op where they match, as in landmark_core;
         # the one-node layer passes its only copy of W, in fp32, for a Z·W in the inputs' dtype; the backward
         # rounds it to G's, Z·W's, likewise); otherwise Z itself (m × m, W unused), for Z·W computed later — the
-        # split form
-        # that lets the iteration run on a second stream while pass 1 computes W. KEEP: the iterate entering each
-        # step goes to ZS, so the backward need not replay the forward (few matrices: its latency is the cost).
+        # split form that lets the iteration run on a second stream while pass 1 computes W. KEEP: the iterate
+        # entering each step goes to ZS, so the backward need not replay the forward (few matrices: its latency is
+        # the cost).
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
