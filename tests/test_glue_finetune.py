@@ -290,7 +290,9 @@ def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_mode
                                 submission=False)
     messages = []
     finetune(fixture_model_dir, settings, log=messages.append)
-    assert any(m.endswith("on MRPC: 3 train examples, 2 dev examples, 1 step on cpu") for m in messages), messages
+    # ... and names the Nyström formulation (with the fast path's switches where it runs) behind the scores
+    assert any(m.endswith("on MRPC: 3 train examples, 2 dev examples, 1 step on cpu; Nyström attention: the "
+                          "reference formulation on cpu") for m in messages), messages
 
 
 def sweep_command(model_dir, *flags):

@@ -387,8 +387,12 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
         dev_counts = _count(len(data.dev_examples["dev"]), "dev example")
     else:
         dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in data.dev_examples.items()) + " examples"
+    attention = ""
+    if model_cfg.attn_type == "nystrom":  # which formulation and kernels produced the scores
+        from ..attention.nystrom_fast import describe_switches
+        attention = "; " + describe_switches(device)
     log(f"fine-tuning {pretrained} on {task.name}: {_count(len(data.train_examples), 'train example')}, "
-        f"{dev_counts}, {_count(total_steps, 'step')} on {device}")
+        f"{dev_counts}, {_count(total_steps, 'step')} on {device}{attention}")
     baseline = majority_baseline(task, data.train_examples, data.dev_labels)
     if baseline is not None:
         log(f"{task.name}: always predicting the training set's commonest label scores {baseline:.4f} on dev")
