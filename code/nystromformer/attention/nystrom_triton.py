@@ -1517,6 +1517,14 @@ CONV_IN_PASS_2 = True
 DQ_PARTIALS_IN_SEGMENT_MEANS_MAX = 4
 
 
+def _landmark_tensors(q, k, v, keep, key_bias, m):
+    """Q̃, K̃, W (fp32, the only copy) and pass 1's log-sum-exp: the forward's first launches, which a recomputing
+    backward (``NYSTROM_RECOMPUTE=1``) runs again through this same function — so the same values."""
+    q_land, k_land = segment_means_raw(q, keep, m, x2=k)
+    w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
+    return q_land, k_land, w, lse
+
+
 def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save):
     b, h, n, d = q.shape
     acc = _acc_dtype(q.dtype)
@@ -1536,8 +1544,7 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
     """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype, the only
     copy: the core rounds it to Z·W's dtype, the inputs', itself), pass 1's log-sum-exp, Z·W, the core's batch
     statistics and (``save``: for a backward that reads them) kept iterates."""
-    q_land, k_land = segment_means_raw(q, keep, m, x2=k)
-    w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
+    q_land, k_land, w, lse = _landmark_tensors(q, k, v, keep, key_bias, m)
     stat, cols = _core_stats(q_land, k_land)
     zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save, zw_dtype=q.dtype)
     if taps is not None and CONV_IN_PASS_2:
@@ -1570,8 +1577,7 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     backward, which then does not replay the iteration."""
     n = q.shape[-2]
     if q_land is None:
-        q_land, k_land = segment_means_raw(q, keep, m, x2=k)
-        w, lse, _ = lq_forward_raw(q_land, k, v, key_bias, low=False)
+        q_land, k_land, w, lse = _landmark_tensors(q, k, v, keep, key_bias, m)
         zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, always=True,
                                zw_dtype=q.dtype)
     # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
