@@ -122,6 +122,48 @@ def test_attention_runs_in_fp32_under_autocast_when_configured():
     assert seen[1][0] == torch.bfloat16
 
 
+@pytest.mark.parametrize("attn_type", ["softmax", "nystrom", "performer"])
+def test_query_key_and_value_are_one_product_equal_to_three_separate_projections(attn_type):
+    # The three projections run as one matrix product with their weights joined; the parameters (and so
+    # checkpoints, interop and the optimizer's state) stay the three nn.Linear modules.
+    torch.manual_seed(0)
+    block = NystromformerForMaskedLM(model_config(attn_type=attn_type)).double().encoder.layers[0].attention
+    assert [name for name, _ in block.named_parameters()][:6] == [
+        "query.weight", "query.bias", "key.weight", "key.bias", "value.weight", "value.bias"]
+    x = torch.randn(2, 32, block.query.in_features, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 32)
+    mask[1, 20:] = 0
+    b, n, _ = x.shape
+    split = lambda t: t.view(b, n, block.num_head, block.head_dim).transpose(1, 2)  # noqa: E731
+    separately = block.attn(split(block.query(x)), split(block.key(x)), split(block.value(x)), mask)
+    separately = block.output(separately.transpose(1, 2).reshape(b, n, -1))
+    joined = block(x, mask)
+    assert (joined - separately).abs().max() < 1e-12
+    params = [x] + list(block.parameters())
+    g = torch.randn_like(joined)
+    for a, e in zip(torch.autograd.grad(joined, params, g), torch.autograd.grad(separately, params, g)):
+        assert (a - e).abs().max() < 1e-12
+
+
+def test_under_autocast_the_block_keeps_one_half_precision_copy_of_its_input_for_the_projections():
+    # Three separate projections would each cast the (fp32, from LayerNorm) input to bf16 and keep its cast for
+    # the backward: two needless sequence-sized copies per layer.
+    model = NystromformerForMaskedLM(model_config())
+    block = model.encoder.layers[0].attention
+    # not a leaf, as in the model (autocast reuses its casts of leaves that require grad)
+    x = torch.randn(2, 32, block.query.in_features, requires_grad=True) * 1
+    saved = {}
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.numel() == x.numel():  # as (b·n, dim): a product's input
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, None)
+    # the projections' input and the output projection's input (the attention's output)
+    assert len(saved) == 2, [t.shape for t in saved.values()]
+
+
 def test_regression_head_has_one_output_and_mse_loss():
     model = NystromformerForSequenceClassification(model_config(), num_labels=1)
     ids = torch.randint(5, 64, (4, 16))

@@ -795,6 +795,34 @@ def test_interp_one_node_output_is_in_the_queries_layout_and_it_keeps_no_sequenc
 
 
 @needs_interpreter
+@pytest.mark.parametrize("pad", [(3, 20), None])
+def test_interp_q_k_v_as_views_of_one_projection_give_the_reference_with_dense_output_and_gradients(pad):
+    # The model makes q, k, v as views of one (b, n, 3, h, d) product (its three projections joined). From
+    # them the output and the gradients are (b, n, h, d)-dense: the model's reshape of the output is then a
+    # view, and joining the three gradients for the product's backward reads whole rows.
+    att = layer(8, 5)
+    g = torch.Generator().manual_seed(7)
+    joined = torch.randn(2, 67, 3, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    q, k, v = (t.transpose(1, 2) for t in joined.unbind(2))
+    mask = None
+    if pad:
+        (_, mask) = inputs(2, 67, pad=pad)
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    ref = att.reference_forward(q, k, v, mask)
+    dense = torch.empty(2, 67, H, D).transpose(1, 2).stride()
+    assert rel(out, ref) < FP64_TOL and out.stride() == dense
+    params = (q, k, v, att.conv.weight)
+    gout = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, params, gout)
+    for a, b in zip(grads, torch.autograd.grad(ref, params, gout)):
+        assert rel(a, b) < FP64_TOL
+    # The one-node layer writes each gradient itself; the default kernels' dV is autograd's sum of pass 1's and
+    # the conv's, (b, h, n, d)-contiguous whatever v's layout.
+    written_dense = grads[:3] if nystrom_fast.triton_mode() == "all" else grads[:2]
+    assert [a.stride() for a in written_dense] == [dense] * len(written_dense)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n,pad", [(67, (3, 20)), (64, None), (300, (0, 37))])
 def test_interp_one_node_recomputing_its_landmarks_keeps_only_q_k_v_and_gives_the_same_gradients(n, pad,
                                                                                                   monkeypatch):

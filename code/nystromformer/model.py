@@ -59,22 +59,35 @@ class MultiHeadAttention(nn.Module):
         self.attention_fp32 = cfg.attention_fp32
         self.grad_checkpointing = cfg.attention_grad_checkpointing
 
-    def _core(self, q, k, v, mask):
-        device_type = q.device.type
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v as one (b, n, 3, h, d) product: the three projections' weights are joined for it, so under
+        autocast x is cast once (not once per projection, each cast kept for the backward), and the backward is
+        one product for dx and one for the weights, the gradients of q, k and v joined by one copy."""
+        b, n, _ = x.shape
+        weight = torch.cat((self.query.weight, self.key.weight, self.value.weight))
+        bias = torch.cat((self.query.bias, self.key.bias, self.value.bias))
+        return F.linear(x, weight, bias).view(b, n, 3, self.num_head, self.head_dim)
+
+    def _core(self, qkv, mask):
+        device_type = qkv.device.type
         if self.attention_fp32 and torch.is_autocast_enabled(device_type):
-            with torch.autocast(device_type, enabled=False):
-                return self.attn(q.float(), k.float(), v.float(), mask).to(q.dtype)
-        return self.attn(q, k, v, mask)
+            with torch.autocast(device_type, enabled=False):  # one cast of q, k and v together
+                return self.attn(*heads(qkv.float()), mask).to(qkv.dtype)
+        return self.attn(*heads(qkv), mask)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
-        split = lambda t: t.view(b, n, self.num_head, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        qkv = self.project(x)
         if self.grad_checkpointing and self.training:
-            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
+            out = checkpoint(self._core, qkv, mask, use_reentrant=False)
         else:
-            out = self._core(q, k, v, mask)
+            out = self._core(qkv, mask)
         return self.output(out.transpose(1, 2).reshape(b, n, self.num_head * self.head_dim))
+
+
+def heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (b, h, n, d) views of the joined (b, n, 3, h, d) projection (the attention interface's shape)."""
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
 def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
