@@ -11,6 +11,7 @@ one operator either way here).
     python bench/launch_count.py                 # n = 512, 64 landmarks, conv 33, 2 heads × 64
     python bench/launch_count.py --verbose       # and which operators
     python bench/launch_count.py --host-time     # and the host's own work around the launches
+    python bench/launch_count.py --step          # per encoder layer of a whole MLM training step instead
 
 Prints one Markdown table: launches (aten / Triton) for softmax (SDPA) and the Nyström fast path with
 NYSTROM_TRITON=0, 1 and all, with a padding mask and with mask=None (rows without padding, as in pretraining).
@@ -21,6 +22,10 @@ operators on these CPU tensors. With NYSTROM_TRITON=1 those operators include th
 products, computed on the CPU, so only the ``all`` rows are host work alone. What a launch itself costs a GPU's
 host comes on top, once per launch counted.
 A comparison between variants and commits on one machine, not a GPU host's figure.
+``--step`` counts instead the launches one encoder layer adds to a whole MLM training step (forward, loss and
+backward under bf16 autocast, as ``mixed_precision`` pretraining runs; a 2-layer model's count less a 1-layer
+model's): the attention core above plus the projections, their casts, the feed-forward, LayerNorms and dropouts.
+The optimizer's step (fused AdamW: a few launches per model) is not counted.
 """
 from __future__ import annotations
 
@@ -39,15 +44,10 @@ NOT_LAUNCHES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_
                 "promote_types", "_unsafe_view"}
 
 
-def count(args) -> None:
-    """In a child process with NYSTROM_TRITON and TRITON_INTERPRET set: print 'aten triton' for one variant."""
-    sys.path.insert(0, str(ROOT / "code"))
-    import torch
-    import torch.nn.functional as F
+def counters(args):
+    """(launches Counter, a TorchDispatchMode that fills it, [Triton launches], [skip kernel bodies]): the aten
+    operators that launch a kernel, and the Triton launches (counted where the interpreter runs one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from nystromformer.attention import nystrom_fast
-
     launches = Counter()
     inside_kernel = [False]  # the interpreter's own tensor handling is not the layer's
 
@@ -73,7 +73,18 @@ def count(args) -> None:
             finally:
                 inside_kernel[0] = False
         interpreter.InterpretedFunction.run = counted
+    return launches, Count, triton_launches, skip_kernels
 
+
+def count(args) -> None:
+    """In a child process with NYSTROM_TRITON and TRITON_INTERPRET set: print 'aten triton' for one variant."""
+    sys.path.insert(0, str(ROOT / "code"))
+    import torch
+    import torch.nn.functional as F
+
+    from nystromformer.attention import nystrom_fast
+
+    launches, Count, triton_launches, skip_kernels = counters(args)
     b, h, n, d = 1, args.heads, args.n, 64
     # q, k, v as the model makes them: (b, n, h, d) projections seen as (b, h, n, d)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -113,6 +124,46 @@ def count(args) -> None:
         print(dict(launches.most_common()), file=sys.stderr)
 
 
+def count_step(args) -> None:
+    """In a child process: print 'aten triton' for one encoder layer of a training step (2 layers less 1)."""
+    sys.path.insert(0, str(ROOT / "code"))
+    from dataclasses import replace
+
+    import torch
+
+    from nystromformer.config import ModelConfig
+    from nystromformer.model import NystromformerForMaskedLM
+
+    launches, Count, triton_launches, _ = counters(args)
+    cfg = ModelConfig(vocab_size=1000, max_seq_len=args.n, embedding_dim=64 * args.heads,
+                      transformer_dim=64 * args.heads, transformer_hidden_dim=256 * args.heads, num_head=args.heads,
+                      head_dim=64, attn_type=args.variant, num_landmarks=64, conv_kernel_size=33,
+                      attention_fp32=args.dtype == "fp32")
+    ids = torch.randint(5, 1000, (1, args.n))
+    labels = torch.where(torch.rand(1, args.n) < 0.15, ids, -100)
+    totals = []
+    for layers in (1, 2):
+        torch.manual_seed(0)
+        model = NystromformerForMaskedLM(replace(cfg, num_layers=layers)).train()
+
+        def step():
+            model.zero_grad(set_to_none=True)  # as pretraining: the backward writes each gradient, adds none
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, labels, None).loss  # no padding, as pretraining
+            loss.backward()
+        step()  # warm-up: Triton's first launch compiles / builds the launcher
+        launches.clear()
+        triton_launches[0] = 0
+        with Count():
+            step()
+        totals.append((Counter(launches), triton_launches[0]))
+    (aten_1, triton_1), (aten_2, triton_2) = totals
+    per_layer = aten_2 - aten_1
+    print(sum(per_layer.values()), triton_2 - triton_1)
+    if args.verbose:
+        print(dict(per_layer.most_common()), file=sys.stderr)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=512)
@@ -123,11 +174,14 @@ def main(argv=None):
     ap.add_argument("--host-time", action="store_true",
                     help="also time the host's work outside the kernels (median µs of one forward + backward)")
     ap.add_argument("--repeats", type=int, default=200, help="forward + backward runs timed for --host-time")
+    ap.add_argument("--step", action="store_true",
+                    help="count per encoder layer of a whole MLM training step (bf16 autocast; --dtype fp32 = "
+                         "attention_fp32 true, the shipped configs, bf16 = false), with no padding")
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.variant, args.mask = args.child
-        return count(args)
+        return count_step(args) if args.step else count(args)
     rows = [("softmax (SDPA)", "softmax", "-"), ("nystrom, PyTorch ops", "nystrom", "0"),
             ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all"),
             # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
@@ -135,6 +189,16 @@ def main(argv=None):
             ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap"),
             # the landmark-sized tensors recomputed in the backward instead of kept
             ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all+recompute")]
+    if args.step:
+        print(f"# launches per encoder layer of one MLM training step (forward, loss, backward; bf16 autocast, "
+              f"attention_fp32 {str(args.dtype == 'fp32').lower()}), n={args.n}, heads={args.heads}, head_dim=64, "
+              f"64 landmarks, conv 33, no padding (counted on the CPU; Triton under its interpreter)")
+        print("| variant | aten + Triton = total |")
+        print("|---|---|")
+        for label, variant, mode in rows[:4]:
+            aten, triton, _ = run_child(args, variant, mode, "none")
+            print(f"| {label} | {aten} + {triton} = {aten + triton} |")
+        return
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
@@ -144,27 +208,35 @@ def main(argv=None):
     for label, variant, mode in rows:
         cells, hosts = [], []
         for mask in ("ones", "none"):
-            kernels, _, switch = mode.partition("+")
-            env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
-                       NYSTROM_OVERLAP="1" if switch == "overlap" else "0",
-                       NYSTROM_RECOMPUTE="1" if switch == "recompute" else "0", NYSTROM_IMPL="fast",
-                       OMP_NUM_THREADS="1")
-            cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--dtype", args.dtype,
-                   "--child", variant, mask]
-            if args.verbose:
-                cmd.append("--verbose")
-            if args.host_time:
-                cmd += ["--host-time", "--repeats", str(args.repeats)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(proc.stderr[-3000:])
-            if args.verbose:
-                print(f"# {label}, mask {mask}: {proc.stderr.strip()}")
-            aten, triton, *host_us = proc.stdout.strip().splitlines()[-1].split()
-            cells.append(f"{aten} + {triton} = {int(aten) + int(triton)}")
+            aten, triton, host_us = run_child(args, variant, mode, mask, label)
+            cells.append(f"{aten} + {triton} = {aten + triton}")
             # without Triton kernels the time is the operators' own CPU compute, not host overhead
-            hosts.extend(host_us if triton != "0" else ["n/a"] * len(host_us))
+            hosts.extend(host_us if triton else ["n/a"] * len(host_us))
         print(f"| {label} | {cells[0]} | {cells[1]} |" + (f" {' / '.join(hosts)} |" if hosts else ""))
+
+
+def run_child(args, variant, mode, mask, label=None):
+    """(aten launches, Triton launches, [host µs]) of one variant, counted in a child process."""
+    kernels, _, switch = mode.partition("+")
+    env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
+               NYSTROM_OVERLAP="1" if switch == "overlap" else "0",
+               NYSTROM_RECOMPUTE="1" if switch == "recompute" else "0", NYSTROM_IMPL="fast",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--dtype", args.dtype,
+           "--child", variant, mask]
+    if args.verbose:
+        cmd.append("--verbose")
+    if args.step:
+        cmd.append("--step")
+    if args.host_time:
+        cmd += ["--host-time", "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    if args.verbose:
+        print(f"# {label or variant}, mask {mask}: {proc.stderr.strip()}")
+    aten, triton, *host_us = proc.stdout.strip().splitlines()[-1].split()
+    return int(aten), int(triton), host_us
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ before Triton is imported).
 
     python bench/saved_memory.py                      # n 512, batch 2, 2 layers, BERT-base width
     python bench/saved_memory.py --verbose            # also every saved tensor over 100 KB
+    python bench/saved_memory.py --mixed-precision    # under bf16 autocast, attention in fp32 (the shipped configs)
 """
 from __future__ import annotations
 
@@ -98,11 +99,17 @@ def collect_after_interpreted_launches():
     interpreter.GridExecutor.__call__ = launch_and_collect
 
 
-def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> tuple[float, float, float, list]:
+def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool,
+            mixed_precision: bool = False) -> tuple[float, float, float, list]:
+    from contextlib import nullcontext
     from dataclasses import replace
     from nystromformer.config import ModelConfig
     from nystromformer.model import NystromformerForMaskedLM
-    cfg = ModelConfig(max_seq_len=n, num_layers=layers, vocab_size=1000, conv_kernel_size=33, attention_fp32=False)
+    # Mixed precision: bf16 autocast with the attention in fp32, as the shipped configs train (the Triton
+    # interpreter cannot compute in bf16, so the attention must stay fp32 here).
+    cfg = ModelConfig(max_seq_len=n, num_layers=layers, vocab_size=1000, conv_kernel_size=33,
+                      attention_fp32=mixed_precision)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else nullcontext()
     torch.manual_seed(0)
     model = NystromformerForMaskedLM(replace(cfg, attn_type=attn_type)).train()
     for module in model.modules():
@@ -116,7 +123,8 @@ def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool) -> t
     # Peak: one forward + backward (no optimizer step: the same for every variant), from the step's first
     # allocation; parameter gradients included (the conv's are the only ones that differ, 33 × h floats a layer).
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = model(ids, labels, None).loss  # no padding, as pretraining
+        with autocast:
+            loss = model(ids, labels, None).loss  # no padding, as pretraining
         params = [p.untyped_storage().data_ptr() for p in model.parameters()]
         saved = saved_storages(loss, exclude=params)
         loss.backward()
@@ -142,14 +150,19 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--mixed-precision", action="store_true",
+                    help="under bf16 autocast with attention_fp32 true (the shipped configs); default fp32 throughout")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        total, growing, peak, top = measure(args.child, args.n, args.batch, args.layers, args.verbose)
+        total, growing, peak, top = measure(args.child, args.n, args.batch, args.layers, args.verbose,
+                                            args.mixed_precision)
         print(total, growing, peak, "; ".join(f"{name} {b / 2**20:.1f}" for name, b in top))
         return
     print(f"# saved for backward, one MLM forward, n={args.n}, batch={args.batch}, {args.layers} layers of BERT-base "
-          f"width, no padding, fp32 on the CPU (Triton interpreted), parameters excluded")
+          f"width, no padding, "
+          f"{'bf16 autocast with fp32 attention' if args.mixed_precision else 'fp32'} on the CPU (Triton "
+          f"interpreted), parameters excluded")
     print("| variant | saved MiB | of which sequence-sized | × softmax (sequence-sized) | peak fwd+bwd MiB "
           "| × softmax (peak) | largest saved, by node (MiB) |")
     print("|---|---|---|---|---|---|---|")
@@ -158,7 +171,8 @@ def main(argv=None):
         env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=overlap,
                    NYSTROM_RECOMPUTE=recompute, NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
         cmd = [sys.executable, __file__, "--n", str(args.n), "--batch", str(args.batch), "--layers", str(args.layers),
-               "--child", attn] + (["--verbose"] if args.verbose else [])
+               "--child", attn] + (["--verbose"] if args.verbose else []) + (
+                   ["--mixed-precision"] if args.mixed_precision else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-3000:])

@@ -198,3 +198,21 @@ def test_glue_batch_dependence_shows_fixed_padding_predictions_independent_of_th
     fixed = [r for r in rows if r[0] == "fixed"]
     assert all(r[3] == "0" for r in fixed)  # fixed padding: no prediction moves with the batch
     assert all(float(r[4]) < 1e-3 for r in fixed)  # only the pinv init's batch-wide scale couples a batch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_launch_count_per_step_layer_is_the_attention_core_plus_what_every_attention_shares():
+    # --step counts a whole training step's launches per encoder layer; beyond the attention core (the default
+    # table), the projections, casts, feed-forward, LayerNorms and dropouts are the same whatever the attention.
+    sys.path.insert(0, str(REPO / "bench"))
+    import argparse
+
+    import launch_count
+    rest = []
+    for variant, mode in (("softmax", "-"), ("nystrom", "all")):
+        args = argparse.Namespace(n=128, heads=1, dtype="fp32", verbose=False, host_time=False, repeats=0)
+        core = sum(launch_count.run_child(argparse.Namespace(**vars(args), step=False), variant, mode, "none")[:2])
+        layer = sum(launch_count.run_child(argparse.Namespace(**vars(args), step=True), variant, mode, "none")[:2])
+        assert layer > core > 0
+        rest.append(layer - core)
+    assert rest[0] == rest[1], rest
