@@ -40,7 +40,9 @@ def layer(num_landmarks=8, conv=None, init="original", dtype=torch.float64, seed
 
 
 def inputs(b, n, dtype=torch.float64, seed=0, pad=(), device="cpu", head_dim=D):
-    """q, k, v as the model makes them: (b, n, h, d) transposed to (b, h, n, d) views; pad = padding per row."""
+    """q, k, v as (b, n, h, d) tensors transposed to (b, h, n, d) views, as the model's heads are laid out (the
+    model's are also views of one joined projection: ``test_interp_q_k_v_as_views_of_one_projection...``); pad =
+    padding per row."""
     g = torch.Generator().manual_seed(seed)
     qkv = [torch.randn(b, n, H, head_dim, generator=g, dtype=torch.float64).to(device, dtype).transpose(1, 2)
            .requires_grad_() for _ in range(3)]
@@ -714,7 +716,7 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     keep = torch.ones(2, 40, dtype=torch.float64)
     keep[1, 30:] = 0
-    q, k, v = (r(2, 40, 2, 16).transpose(1, 2) for _ in range(3))       # transposed views, as in the model
+    q, k, v = (t.transpose(1, 2) for t in r(2, 40, 3, 2, 16).unbind(2))  # views of one projection, as in the model
     q_land, k_land, zw = r(2, 2, 8, 16), r(2, 2, 8, 16), r(2, 2, 8, 16)
     a = torch.softmax(r(2, 2, 8, 8), -1)
     out, lse, _ = nt._lq_forward(q_land, k, v, keep * 0)

@@ -56,17 +56,21 @@ class MultiHeadAttention(nn.Module):
         self.value = nn.Linear(cfg.transformer_dim, inner)
         self.output = nn.Linear(inner, cfg.transformer_dim)
         self.attn = build_attention(cfg)
+        self.reads_keys = getattr(self.attn, "reads_keys", True)
         self.attention_fp32 = cfg.attention_fp32
         self.grad_checkpointing = cfg.attention_grad_checkpointing
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v as one (b, n, 3, h, d) product: the three projections' weights are joined for it, so under
         autocast x is cast once (not once per projection, each cast kept for the backward), and the backward is
-        one product for dx and one for the weights, the gradients of q, k and v joined by one copy."""
+        one product for dx and one for the weights, the gradients of q, k and v joined by one copy. For a variant
+        that reads no keys (Reformer's shared QK) k is not computed — (b, n, 2, h, d), q and v — so the key
+        projection gets no gradient (and no weight decay), as with separate projections."""
         b, n, _ = x.shape
-        weight = torch.cat((self.query.weight, self.key.weight, self.value.weight))
-        bias = torch.cat((self.query.bias, self.key.bias, self.value.bias))
-        return F.linear(x, weight, bias).view(b, n, 3, self.num_head, self.head_dim)
+        linears = (self.query, self.key, self.value) if self.reads_keys else (self.query, self.value)
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = torch.cat([linear.bias for linear in linears])
+        return F.linear(x, weight, bias).view(b, n, len(linears), self.num_head, self.head_dim)
 
     def _core(self, qkv, mask):
         device_type = qkv.device.type
@@ -86,8 +90,10 @@ class MultiHeadAttention(nn.Module):
 
 
 def heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as (b, h, n, d) views of the joined (b, n, 3, h, d) projection (the attention interface's shape)."""
-    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
+    """q, k, v as (b, h, n, d) views of the joined (b, n, 3, h, d) projection (the attention interface's shape);
+    from a (b, n, 2, h, d) one without keys, q stands in for k (the variant does not read it)."""
+    parts = [t.transpose(1, 2) for t in qkv.unbind(2)]
+    return tuple(parts) if len(parts) == 3 else (parts[0], parts[0], parts[1])
 
 
 def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -4,7 +4,9 @@ Every variant is an ``nn.Module`` built from the model config with ``forward(q, 
 ``q, k, v`` are ``(batch, heads, seq_len, head_dim)``, ``mask`` is ``(batch, seq_len)`` with 1 for real
 tokens and 0 for padding, or None when no row has padding (pretraining's full-length rows: variants that can,
 skip the masking work; the others call ``key_padding_mask``), and the result has the shape of ``v``. Scaling
-by 1/sqrt(head_dim) is the variant's job. Variants register themselves by ``attn_type`` name.
+by 1/sqrt(head_dim) is the variant's job. Variants register themselves by ``attn_type`` name. A variant that
+never reads ``k`` says so with ``reads_keys = False`` (the model then passes ``q`` as ``k`` and skips the key
+projection).
 """
 from __future__ import annotations
 

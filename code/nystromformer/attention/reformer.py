@@ -1,8 +1,8 @@
 """Reformer LSH attention (Kitaev et al., ICLR 2020), shared-QK, chunked — O(n·c) memory.
 
 Shared QK: Reformer uses one projection for queries and keys. Our interface passes separate ``q`` and
-``k``; this variant uses ``q`` as the shared query/key and ignores ``k`` (so the layer's key projection
-gets no gradient). Keys are the unit-normalised queries times d^-1/2 (as in the reference code), so the
+``k``; this variant uses ``q`` as the shared query/key and ignores ``k`` (``reads_keys = False``: the layer
+does not compute k at all, and its key projection gets no gradient). Keys are the unit-normalised queries times d^-1/2 (as in the reference code), so the
 score of query i on key j is q_i·q_j / (‖q_j‖ √d).
 
 Per round (``reformer_num_hashes`` rounds): a random rotation R (d × nb/2, fresh each forward from torch's
@@ -41,6 +41,8 @@ def lsh_buckets(rotated: torch.Tensor) -> torch.Tensor:
 
 @register("reformer")
 class ReformerAttention(nn.Module):
+    reads_keys = False  # shared QK: the model passes q as k and computes no key projection
+
     def __init__(self, config):
         super().__init__()
         self.head_dim = config.head_dim
