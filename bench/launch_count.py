@@ -86,7 +86,8 @@ def count(args) -> None:
 
     launches, Count, triton_launches, skip_kernels = counters(args)
     b, h, n, d = 1, args.heads, args.n, 64
-    # q, k, v as the model makes them: (b, n, h, d) projections seen as (b, h, n, d)
+    # q, k, v as (b, n, h, d) tensors seen as (b, h, n, d); the model's are views of one (b, n, 3, h, d)
+    # projection, which changes no count here (its joining copy in the backward is the model's: --step)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     leaves = [torch.randn(b, n, h, d, dtype=dtype, requires_grad=True) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in leaves)

@@ -130,10 +130,11 @@ def measure(attn_type: str, n: int, batch: int, layers: int, verbose: bool,
         loss.backward()
     peak = peak_allocated(prof)
     total = sum(b for b, _, _ in saved.values())
-    # Sequence-sized: at least half a (b, h, n, d) tensor in fp32. By size, not shape: the same storage may be
-    # saved as (b, h, n, d) by one node and flattened to (b·n, dim) by another, and the walk meets either first.
+    # Sequence-sized: at least half a (b, h, n, d) tensor in fp32, with a dimension of n or b·n (the same storage
+    # may be saved as (b, h, n, d) by one node and flattened to (b·n, dim) by another, and the walk meets either
+    # first; the joined q, k, v weight, 3·dim × dim, is over the size but does not grow with n).
     half = batch * n * cfg.transformer_dim * 4 // 2
-    growing = sum(b for b, _, _ in saved.values() if b >= half)
+    growing = sum(b for b, _, shape in saved.values() if b >= half and {n, batch * n} & set(shape))
     by_node = collections.Counter()
     for nbytes, name, _ in saved.values():
         by_node[name] += nbytes
