@@ -2,8 +2,8 @@
 
 Shared QK: Reformer uses one projection for queries and keys. Our interface passes separate ``q`` and
 ``k``; this variant uses ``q`` as the shared query/key and ignores ``k`` (``reads_keys = False``: the layer
-does not compute k at all, and its key projection gets no gradient). Keys are the unit-normalised queries times d^-1/2 (as in the reference code), so the
-score of query i on key j is q_i·q_j / (‖q_j‖ √d).
+does not compute k at all, and its key projection gets no gradient). Keys are the unit-normalised queries times
+d^-1/2 (as in the reference code), so the score of query i on key j is q_i·q_j / (‖q_j‖ √d).
 
 Per round (``reformer_num_hashes`` rounds): a random rotation R (d × nb/2, fresh each forward from torch's
 RNG, per head) hashes each position to argmax([xR; −xR]) of nb buckets, nb = padded length / c rounded
