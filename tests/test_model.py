@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from nystromformer.config import ATTENTION_TYPES, config_from_dict
 from nystromformer.mlm import padding_mask
 from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM, NystromformerForSequenceClassification,
-                                 masked_positions_of)
+                                 fixed_weights, masked_positions_of)
 
 from helpers import tiny_config
 
@@ -170,6 +170,107 @@ def test_under_autocast_the_block_keeps_one_half_precision_copy_of_its_input_for
         block(x, None)
     # the projections' input and the output projection's input (the attention's output)
     assert len(saved) == 2, [t.shape for t in saved.values()]
+
+
+def accumulated(model, ids, labels, *, fixed, dtype=torch.bfloat16):
+    """Losses and summed parameter gradients of one micro-batch per row: in one autocast region with fixed
+    weights (as a pretraining step runs them), or in one autocast region per micro-batch."""
+    model.zero_grad(set_to_none=True)
+    autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)  # noqa: E731
+    losses = []
+
+    def micro_batch(i):
+        loss = model(ids[i:i + 1], labels[i:i + 1]).loss
+        with torch.autocast("cpu", enabled=False):
+            loss.backward()
+        losses.append(loss.detach())
+    if fixed:
+        with autocast(), fixed_weights(model):
+            for i in range(len(ids)):
+                micro_batch(i)
+    else:
+        for i in range(len(ids)):
+            with autocast():
+                micro_batch(i)
+    return torch.stack(losses), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16-autocast", "fp32"])
+@pytest.mark.parametrize("attn_type", ["softmax", "nystrom", "reformer"])
+def test_micro_batches_with_fixed_weights_give_bitwise_the_losses_and_gradients_of_separate_passes(attn_type,
+                                                                                                   dtype):
+    # Inside fixed_weights (and one autocast region) each weight is joined and cast once for all the micro-batches,
+    # not once per micro-batch; the arithmetic is the same, so the results are the same to the bit.
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config(attn_type=attn_type))
+    ids = torch.randint(5, 64, (3, 32))
+    labels = torch.where(torch.rand(3, 32) < 0.3, ids, IGNORE_INDEX)
+    torch.manual_seed(1)  # Reformer's hash rotations
+    separate = accumulated(model, ids, labels, fixed=False, dtype=dtype)
+    torch.manual_seed(1)
+    fixed = accumulated(model, ids, labels, fixed=True, dtype=dtype)
+    assert torch.equal(fixed[0], separate[0])
+    assert fixed[1].keys() == separate[1].keys()
+    assert ("encoder.layers.0.attention.key.weight" in fixed[1]) == (attn_type != "reformer")
+    for name in separate[1]:
+        assert torch.equal(fixed[1][name], separate[1][name]), name
+
+
+def test_under_autocast_fixed_weights_casts_each_weight_once_for_all_the_micro_batches():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    model = NystromformerForMaskedLM(model_config())
+    ids = torch.randint(5, 64, (4, 32))
+    labels = torch.where(torch.rand(4, 32) < 0.3, ids, IGNORE_INDEX)
+    weights = {p.untyped_storage().data_ptr() for name, p in model.named_parameters() if "norm" not in name}
+    inner = model.config.num_head * model.config.head_dim
+
+    class CountCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                source = args[0]
+                if source.untyped_storage().data_ptr() in weights:
+                    casts["weights"] += 1
+                elif source.shape == (3 * inner, model.config.transformer_dim):  # a layer's joined q, k, v weight
+                    casts["joined"] += 1
+            return func(*args, **kwargs)
+    counts = {}
+    for fixed in (False, True):
+        casts = {"weights": 0, "joined": 0}
+        with CountCasts():
+            accumulated(model, ids, labels, fixed=fixed)
+        counts[fixed] = casts
+    layers = model.config.num_layers
+    # per layer the output projection's and the feed-forward's weights and biases; the MLM head's dense weight
+    # and bias, the tied decoder's weight and its bias; and per layer the joined q, k, v weight
+    per_pass = {"weights": 6 * layers + 4, "joined": layers}
+    assert counts[False] == {k: 4 * v for k, v in per_pass.items()}
+    assert counts[True] == per_pass
+
+
+def test_a_weight_changed_in_place_inside_fixed_weights_is_an_error_not_a_stale_copy():
+    model = NystromformerForMaskedLM(model_config())
+    ids = torch.randint(5, 64, (1, 32))
+    with fixed_weights(model):
+        model.logits(ids)
+        with torch.no_grad():
+            model.encoder.layers[1].attention.value.weight.mul_(2)  # as an optimizer step would
+        with pytest.raises(RuntimeError, match="changed in place inside fixed_weights"):
+            model.logits(ids)
+    before = model.logits(ids)  # outside the block the weights are joined afresh
+    with torch.no_grad():
+        model.encoder.layers[1].attention.value.weight.mul_(2)
+    assert not torch.equal(model.logits(ids), before)
+
+
+def test_inside_fixed_weights_an_evaluation_without_grad_does_not_leave_the_training_passes_without_gradients():
+    model = NystromformerForMaskedLM(model_config())
+    ids = torch.randint(5, 64, (1, 32))
+    with fixed_weights(model):
+        with torch.no_grad():
+            model.logits(ids)
+        model.logits(ids).sum().backward()
+    assert model.encoder.layers[0].attention.query.weight.grad is not None
 
 
 def test_regression_head_has_one_output_and_mse_loss():

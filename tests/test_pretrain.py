@@ -195,6 +195,44 @@ def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_
                                                                         rel=1e-4)
 
 
+def test_a_mixed_precision_step_casts_each_weight_once_and_runs_its_backward_outside_autocast(tmp_path, data,
+                                                                                              monkeypatch):
+    # One step of 4 micro-batches under bf16 autocast (CPU autocast has bf16 too), attention_fp32 on (the default).
+    # The weights cannot change within a step, so each is cast once, not once per micro-batch. And the backward
+    # runs outside autocast: under it autocast would cast the fp32 attention's backward products to bf16.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import nystromformer.pretrain as pretraining
+    setup = pretraining.setup_runtime
+    monkeypatch.setattr(pretraining, "setup_runtime",
+                        lambda mixed_precision, device=None: dataclasses.replace(setup(mixed_precision, device),
+                                                                               autocast_dtype=torch.bfloat16))
+    casts, low_precision_products = {}, []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+                key = args[0].untyped_storage().data_ptr()
+                casts[key] = casts.get(key, 0) + 1
+            if func is torch.ops.aten.bmm.default and torch.bfloat16 in (args[0].dtype, args[1].dtype):
+                low_precision_products.append(func)  # the attention core's products (the projections are mm)
+            return func(*args, **kwargs)
+    built = []
+    monkeypatch.setattr(pretraining, "NystromformerForMaskedLM",
+                        lambda cfg: built.append(NystromformerForMaskedLM(cfg)) or built[-1])
+    folder = model_dir(tmp_path, model={"mixed_precision": True, "attn_type": "nystrom"},
+                       pretraining_setting={"batch_size": 16, "batches_per_epoch": 1, "epoch": 1,
+                                            "validate_batches_per_epoch": 0},
+                       gpu_setting={"inst_per_gpu": 4})
+    with Record():
+        assert run(folder) == 0
+    assert len(losses(folder)) == 1
+    params = {name: casts.get(p.untyped_storage().data_ptr(), 0) for name, p in built[0].named_parameters()}
+    assert max(params.values()) == 1, params
+    assert [params[f"encoder.layers.{i}.ffn.dense_in.weight"] for i in range(2)] == [1, 1]
+    assert low_precision_products == []
+
+
 @pytest.fixture
 def uninterrupted(tmp_path, data):
     folder = model_dir(tmp_path, "uninterrupted")

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .model import IGNORE_INDEX, masked_positions_of
+from .model import IGNORE_INDEX, fixed_weights, masked_positions_of
 from .shards import ShardedSequences
 
 # What a dev evaluation measures, recorded with each figure (pretraining's dev entries, validation's): figures of
@@ -120,20 +120,22 @@ def evaluate(model: torch.nn.Module, data: ShardedSequences, num_sequences: int,
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, masked, correct
     label_counts = torch.zeros(vocab_size, dtype=torch.int64)  # of the masked positions, counted on the host
     starts = range(rank * micro_batch, num_sequences, micro_batch * world_size)
-    for start in starts:
-        rows = sample[start:start + micro_batch]
-        ids = torch.from_numpy(data.rows(rows))
-        # One mask stream per dev row: the masks do not depend on the micro-batch size or the rank count.
-        masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special, vocab_size)
-                  for i, r in enumerate(rows)]
-        inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
-        label_counts += torch.bincount(labels[labels != IGNORE_INDEX], minlength=vocab_size)
-        attention_mask = padding_mask(inputs, special["pad"])
-        inputs, labels, attention_mask, positions = to_device((inputs, labels, attention_mask,
-                                                               masked_positions_of(labels)), device)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+    # One autocast region and fixed weights for the whole evaluation: the weights' casts are made once.
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None), \
+            fixed_weights(model):
+        for start in starts:
+            rows = sample[start:start + micro_batch]
+            ids = torch.from_numpy(data.rows(rows))
+            # One mask stream per dev row: the masks do not depend on the micro-batch size or the rank count.
+            masked = [mask_tokens(ids[i:i + 1], generator(seed, STREAM_DEV_MASK, int(r)), mask_prob, special,
+                                  vocab_size) for i, r in enumerate(rows)]
+            inputs, labels = torch.cat([m[0] for m in masked]), torch.cat([m[1] for m in masked])
+            label_counts += torch.bincount(labels[labels != IGNORE_INDEX], minlength=vocab_size)
+            attention_mask = padding_mask(inputs, special["pad"])
+            inputs, labels, attention_mask, positions = to_device((inputs, labels, attention_mask,
+                                                                   masked_positions_of(labels)), device)
             out = model(inputs, labels, attention_mask=attention_mask, masked_positions=positions)
-        totals += torch.stack([out.loss_sum.double(), out.num_masked.double(), out.num_correct.double()])
+            totals += torch.stack([out.loss_sum.double(), out.num_masked.double(), out.num_correct.double()])
     if world_size > 1:
         torch.distributed.all_reduce(totals)
         label_counts = label_counts.to(device)

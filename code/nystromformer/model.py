@@ -8,6 +8,7 @@ MLM head tied to the word embeddings, and a first-token sequence head for fine-t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class MultiHeadAttention(nn.Module):
         self.reads_keys = getattr(self.attn, "reads_keys", True)
         self.attention_fp32 = cfg.attention_fp32
         self.grad_checkpointing = cfg.attention_grad_checkpointing
+        self._fixed: Optional[dict] = None  # the joined weights of a fixed_weights() block
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v as one (b, n, 3, h, d) product: the three projections' weights are joined for it, so under
@@ -68,9 +70,30 @@ class MultiHeadAttention(nn.Module):
         projection gets no gradient (and no weight decay), as with separate projections."""
         b, n, _ = x.shape
         linears = (self.query, self.key, self.value) if self.reads_keys else (self.query, self.value)
-        weight = torch.cat([linear.weight for linear in linears])
-        bias = torch.cat([linear.bias for linear in linears])
+        weight, bias = self.joined_weights(linears)
         return F.linear(x, weight, bias).view(b, n, len(linears), self.num_head, self.head_dim)
+
+    def joined_weights(self, linears) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections' weights and biases joined. Inside ``fixed_weights`` they are joined once — under
+        autocast already cast to its dtype, as F.linear would — and every pass of the block reuses them (autocast's
+        own cache does the same for the other layers' weights, which are leaves; these are not)."""
+        if torch.compiler.is_compiling() or self._fixed is None:  # compiled: inductor fuses the casts itself
+            return torch.cat([linear.weight for linear in linears]), torch.cat([linear.bias for linear in linears])
+        device_type = linears[0].weight.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        key = (dtype, torch.is_grad_enabled())  # made without grad, they would give the weights no gradient
+        versions = [p._version for linear in linears for p in (linear.weight, linear.bias)]
+        if key in self._fixed:
+            made_at, joined = self._fixed[key]
+            if made_at != versions:
+                raise RuntimeError("a q/k/v projection weight changed in place inside fixed_weights(): its joined "
+                                   "copy would be stale (step the optimizer outside the block)")
+            return joined
+        joined = (torch.cat([linear.weight for linear in linears]), torch.cat([linear.bias for linear in linears]))
+        if dtype is not None:
+            joined = tuple(t.to(dtype) for t in joined)
+        self._fixed[key] = (versions, joined)
+        return joined
 
     def _core(self, qkv, mask):
         device_type = qkv.device.type
@@ -94,6 +117,23 @@ def heads(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from a (b, n, 2, h, d) one without keys, q stands in for k (the variant does not read it)."""
     parts = [t.transpose(1, 2) for t in qkv.unbind(2)]
     return tuple(parts) if len(parts) == 3 else (parts[0], parts[0], parts[1])
+
+
+@contextlib.contextmanager
+def fixed_weights(model: nn.Module):
+    """A block of forward (and backward) passes in which no weight changes — one optimizer step's micro-batches,
+    an evaluation: each layer's joined q, k, v weight, and under autocast its cast, is made once for the block
+    instead of once per pass. Give the block one autocast region too (not one per pass) and autocast's cache does
+    the same for every other weight's cast. The results are bitwise those of separate passes. A projection weight
+    changed in place inside the block (an optimizer step) is an error, not a stale copy."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    for layer in layers:
+        layer._fixed = {}
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._fixed = None
 
 
 def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:

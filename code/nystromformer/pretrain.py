@@ -36,7 +36,7 @@ from .errors import UserError
 from .jsonlog import JsonLog
 from .mlm import (DEV_EVAL_VERSION, STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed,
                   evaluate_fp16_safe, generator, mask_tokens, micro_batches, padding_mask, to_device)
-from .model import IGNORE_INDEX, NystromformerForMaskedLM, masked_positions_of
+from .model import IGNORE_INDEX, NystromformerForMaskedLM, fixed_weights, masked_positions_of
 from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
                      check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
                      rng_state, set_rng_state)
@@ -371,19 +371,23 @@ class PretrainRun:
         torch.manual_seed(derived_seed(ps.seed, STREAM_DROPOUT, done, rt.rank))
 
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, correct
-        for i, chunk in enumerate(chunks):
-            sync = i == len(chunks) - 1 or rt.world_size == 1
-            ctx = self.ddp_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx, torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
-                                     enabled=rt.autocast_dtype is not None):
-                out = self.ddp_model(inputs[chunk], labels[chunk],
-                                     attention_mask=None if attention_mask is None else attention_mask[chunk],
-                                     masked_positions=positions[i])
-                # Normalise by the global masked count: the gradient is that of the mean over the whole
-                # batch however it is split (DDP averages over ranks, hence the world_size factor).
-                loss = out.loss_sum * (rt.world_size / total_masked)
-                self.scaler.scale(loss).backward()
-            totals += torch.stack([out.loss_sum.detach().double(), out.num_correct.double()])
+        # One autocast region and fixed weights for all the micro-batches: the weights' casts are made once a step.
+        with torch.autocast(rt.device.type, dtype=rt.autocast_dtype or torch.bfloat16,
+                            enabled=rt.autocast_dtype is not None), fixed_weights(self.model):
+            for i, chunk in enumerate(chunks):
+                sync = i == len(chunks) - 1 or rt.world_size == 1
+                with self.ddp_model.no_sync() if not sync else contextlib.nullcontext():
+                    out = self.ddp_model(inputs[chunk], labels[chunk],
+                                         attention_mask=None if attention_mask is None else attention_mask[chunk],
+                                         masked_positions=positions[i])
+                    # Normalise by the global masked count: the gradient is that of the mean over the whole
+                    # batch however it is split (DDP averages over ranks, hence the world_size factor).
+                    loss = out.loss_sum * (rt.world_size / total_masked)
+                    # The backward outside autocast (which would cast its matmuls — attention_fp32's too — to
+                    # the low dtype); a nested region keeps the outer one's cache of casts.
+                    with torch.autocast(rt.device.type, enabled=False):
+                        self.scaler.scale(loss).backward()
+                totals += torch.stack([out.loss_sum.detach().double(), out.num_correct.double()])
         if ps.max_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), ps.max_grad_norm)

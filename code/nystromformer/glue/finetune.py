@@ -38,7 +38,7 @@ from ..checkpoint import load as load_checkpoint
 from ..cli import say
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
-from ..model import NystromformerForSequenceClassification
+from ..model import NystromformerForSequenceClassification, fixed_weights
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
 from ..tokenizer import check_tokenizer_fits, load_model_tokenizer
 from .encoding import EncodedDataset, PadCollator
@@ -240,8 +240,9 @@ class Runner:
 
         def predict_all(amp: bool) -> np.ndarray:
             self.amp, was = amp, self.amp
-            try:
-                return torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
+            try:  # one autocast region for all batches: the weights' casts are made once (model.fixed_weights)
+                with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=amp), fixed_weights(self.model):
+                    return torch.cat([self.forward(batch).float().cpu() for batch in loader]).numpy()
             finally:
                 self.amp = was
 
