@@ -12,6 +12,7 @@ one operator either way here).
     python bench/launch_count.py --verbose       # and which operators
     python bench/launch_count.py --host-time     # and the host's own work around the launches
     python bench/launch_count.py --step          # per encoder layer of a whole MLM training step instead
+    python bench/launch_count.py --step --accumulate  # and per further micro-batch of a step
 
 Prints one Markdown table: launches (aten / Triton) for softmax (SDPA) and the Nyström fast path with
 NYSTROM_TRITON=0, 1 and all, with a padding mask and with mask=None (rows without padding, as in pretraining).
@@ -25,7 +26,10 @@ A comparison between variants and commits on one machine, not a GPU host's figur
 ``--step`` counts instead the launches one encoder layer adds to a whole MLM training step (forward, loss and
 backward under bf16 autocast, as ``mixed_precision`` pretraining runs; a 2-layer model's count less a 1-layer
 model's): the attention core above plus the projections, their casts, the feed-forward, LayerNorms and dropouts.
-The optimizer's step (fused AdamW: a few launches per model) is not counted.
+The optimizer's step (fused AdamW: a few launches per model) is not counted. ``--accumulate`` adds what each
+further micro-batch adds to a step (gradient accumulation: the shipped configs run 8 rows a micro-batch, so a
+256-row step on one GPU is 32 micro-batches), with an autocast region per micro-batch and as pretraining runs
+them: one region and ``model.fixed_weights``, so the weights' casts are made once a step.
 """
 from __future__ import annotations
 
@@ -133,25 +137,36 @@ def count_step(args) -> None:
     import torch
 
     from nystromformer.config import ModelConfig
-    from nystromformer.model import NystromformerForMaskedLM
+    from nystromformer.model import NystromformerForMaskedLM, fixed_weights
 
     launches, Count, triton_launches, _ = counters(args)
     cfg = ModelConfig(vocab_size=1000, max_seq_len=args.n, embedding_dim=64 * args.heads,
                       transformer_dim=64 * args.heads, transformer_hidden_dim=256 * args.heads, num_head=args.heads,
                       head_dim=64, attn_type=args.variant, num_landmarks=64, conv_kernel_size=33,
                       attention_fp32=args.dtype == "fp32")
-    ids = torch.randint(5, 1000, (1, args.n))
-    labels = torch.where(torch.rand(1, args.n) < 0.15, ids, -100)
+    micro_batches = getattr(args, "micro_batches", 1)
+    ids = torch.randint(5, 1000, (micro_batches, args.n))
+    labels = torch.where(torch.rand(micro_batches, args.n) < 0.15, ids, -100)
     totals = []
     for layers in (1, 2):
         torch.manual_seed(0)
         model = NystromformerForMaskedLM(replace(cfg, num_layers=layers)).train()
 
+        def micro_batch(i):
+            loss = model(ids[i:i + 1], labels[i:i + 1], None).loss  # no padding, as pretraining
+            with torch.autocast("cpu", enabled=False):  # the backward outside autocast, as pretraining
+                loss.backward()
+
         def step():
-            model.zero_grad(set_to_none=True)  # as pretraining: the backward writes each gradient, adds none
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(ids, labels, None).loss  # no padding, as pretraining
-            loss.backward()
+            model.zero_grad(set_to_none=True)  # as pretraining: the first backward writes each gradient
+            if getattr(args, "fixed", False):  # as pretraining: one autocast region, fixed weights
+                with torch.autocast("cpu", dtype=torch.bfloat16), fixed_weights(model):
+                    for i in range(micro_batches):
+                        micro_batch(i)
+            else:  # one autocast region per micro-batch: every weight cast again each time
+                for i in range(micro_batches):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        micro_batch(i)
         step()  # warm-up: Triton's first launch compiles / builds the launcher
         launches.clear()
         triton_launches[0] = 0
@@ -178,6 +193,11 @@ def main(argv=None):
     ap.add_argument("--step", action="store_true",
                     help="count per encoder layer of a whole MLM training step (bf16 autocast; --dtype fp32 = "
                          "attention_fp32 true, the shipped configs, bf16 = false), with no padding")
+    ap.add_argument("--accumulate", action="store_true",
+                    help="with --step: also count what each further micro-batch of a step adds, with one autocast "
+                         "region per micro-batch and with pretraining's one region + fixed_weights")
+    ap.add_argument("--micro-batches", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--fixed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -194,11 +214,23 @@ def main(argv=None):
         print(f"# launches per encoder layer of one MLM training step (forward, loss, backward; bf16 autocast, "
               f"attention_fp32 {str(args.dtype == 'fp32').lower()}), n={args.n}, heads={args.heads}, head_dim=64, "
               f"64 landmarks, conv 33, no padding (counted on the CPU; Triton under its interpreter)")
-        print("| variant | aten + Triton = total |")
-        print("|---|---|")
+        if not args.accumulate:
+            print("| variant | aten + Triton = total |")
+            print("|---|---|")
+        else:
+            print("# and what each further micro-batch of a step adds (gradient accumulation: 2 micro-batches less 1)")
+            print("| variant | one micro-batch: aten + Triton = total | each further one, autocast per micro-batch "
+                  "| each further one, one region + fixed_weights (pretraining) |")
+            print("|---|---|---|---|")
         for label, variant, mode in rows[:4]:
             aten, triton, _ = run_child(args, variant, mode, "none")
-            print(f"| {label} | {aten} + {triton} = {aten + triton} |")
+            cells = [f"{aten} + {triton} = {aten + triton}"]
+            if args.accumulate:
+                for fixed in (False, True):
+                    two = run_child(argparse.Namespace(**{**vars(args), "micro_batches": 2, "fixed": fixed}), variant, mode,
+                                    "none")
+                    cells.append(str(sum(two[:2]) - aten - triton))
+            print(f"| {label} | {' | '.join(cells)} |")
         return
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
@@ -228,7 +260,9 @@ def run_child(args, variant, mode, mask, label=None):
     if args.verbose:
         cmd.append("--verbose")
     if args.step:
-        cmd.append("--step")
+        cmd += ["--step", "--micro-batches", str(getattr(args, "micro_batches", 1))]
+        if getattr(args, "fixed", False):
+            cmd.append("--fixed")
     if args.host_time:
         cmd += ["--host-time", "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
