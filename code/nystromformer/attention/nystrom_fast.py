@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .nystrom import AttentionSettingError, pinv_init, segment_means
+from .nystrom import AttentionSettingError, depthwise_conv, pinv_init, segment_means
 
 
 TRITON_MODES = ("0", "1", "all")
@@ -101,15 +101,6 @@ def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_t
         from .nystrom_triton import pinv_iterate as triton_pinv_iterate
         return triton_pinv_iterate(a, z0, num_iterations, precision=precision)
     return pinv_iterate(a, z0, num_iterations)
-
-
-def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The reference's ``Conv2d(h, h, (k, 1), groups=h)`` on (b, h, n, d), as a grouped conv1d."""
-    b, h, n, d = x.shape
-    k = weight.shape[-2]
-    xs = x.permute(0, 3, 1, 2).reshape(b * d, h, n)
-    y = F.conv1d(xs, weight.reshape(h, 1, k).to(x.dtype), padding=k // 2, groups=h)
-    return y.reshape(b, d, h, n).permute(0, 2, 3, 1)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *, num_landmarks: int,
