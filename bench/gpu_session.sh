@@ -98,6 +98,9 @@ stage_loop() {
   local d=$RESULTS/loop; mkdir -p "$d"
   limited "$python" bench/pretrain_loop.py --seq-len 512 --batch 32 | tee "$d/loop-512.md" | grep -A5 '^# pretraining'
   limited "$python" bench/pretrain_loop.py --seq-len 4096 --batch 4 | tee "$d/loop-4096.md" | grep -A5 '^# pretraining'
+  # the shipped folders' micro-batch of 8 and fp32 attention: 4 micro-batches a step (one autocast region)
+  limited "$python" bench/pretrain_loop.py --seq-len 512 --batch 32 --micro-batch 8 --attention-fp32 true \
+    | tee "$d/loop-512-micro-8.md" | grep -A5 '^# pretraining'
 }
 
 stage_compile() {
