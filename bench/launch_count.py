@@ -28,8 +28,9 @@ backward under bf16 autocast, as ``mixed_precision`` pretraining runs; a 2-layer
 model's): the attention core above plus the projections, their casts, the feed-forward, LayerNorms and dropouts.
 The optimizer's step (fused AdamW: a few launches per model) is not counted. ``--accumulate`` adds what each
 further micro-batch adds to a step (gradient accumulation: the shipped configs run 8 rows a micro-batch, so a
-256-row step on one GPU is 32 micro-batches), with an autocast region per micro-batch and as pretraining runs
-them: one region and ``model.fixed_weights``, so the weights' casts are made once a step.
+256-row step on one GPU is 32 micro-batches), in the loop pretraining had before the twentieth session (an autocast
+region per micro-batch, the backward inside it) and as it runs them now (one region and ``model.fixed_weights``,
+so the weights' casts are made once a step; the backward outside autocast).
 """
 from __future__ import annotations
 
@@ -152,21 +153,21 @@ def count_step(args) -> None:
         torch.manual_seed(0)
         model = NystromformerForMaskedLM(replace(cfg, num_layers=layers)).train()
 
-        def micro_batch(i):
+        def micro_batch(i, backward_under_autocast=False):
             loss = model(ids[i:i + 1], labels[i:i + 1], None).loss  # no padding, as pretraining
-            with torch.autocast("cpu", enabled=False):  # the backward outside autocast, as pretraining
+            with torch.autocast("cpu", enabled=backward_under_autocast):
                 loss.backward()
 
         def step():
             model.zero_grad(set_to_none=True)  # as pretraining: the first backward writes each gradient
-            if getattr(args, "fixed", False):  # as pretraining: one autocast region, fixed weights
+            if getattr(args, "loop", "new") == "new":  # pretraining: one autocast region, fixed weights
                 with torch.autocast("cpu", dtype=torch.bfloat16), fixed_weights(model):
                     for i in range(micro_batches):
                         micro_batch(i)
-            else:  # one autocast region per micro-batch: every weight cast again each time
+            else:  # the loop before: a region per micro-batch (every weight cast again), backward inside it
                 for i in range(micro_batches):
                     with torch.autocast("cpu", dtype=torch.bfloat16):
-                        micro_batch(i)
+                        micro_batch(i, backward_under_autocast=True)
         step()  # warm-up: Triton's first launch compiles / builds the launcher
         launches.clear()
         triton_launches[0] = 0
@@ -194,10 +195,10 @@ def main(argv=None):
                     help="count per encoder layer of a whole MLM training step (bf16 autocast; --dtype fp32 = "
                          "attention_fp32 true, the shipped configs, bf16 = false), with no padding")
     ap.add_argument("--accumulate", action="store_true",
-                    help="with --step: also count what each further micro-batch of a step adds, with one autocast "
-                         "region per micro-batch and with pretraining's one region + fixed_weights")
+                    help="with --step: count the first micro-batch of a step and each further one, in the old "
+                         "pretraining loop and in today's (one autocast region + fixed_weights)")
     ap.add_argument("--micro-batches", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--fixed", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--loop", choices=["old", "new"], default="new", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -218,18 +219,21 @@ def main(argv=None):
             print("| variant | aten + Triton = total |")
             print("|---|---|")
         else:
-            print("# and what each further micro-batch of a step adds (gradient accumulation: 2 micro-batches less 1)")
-            print("| variant | one micro-batch: aten + Triton = total | each further one, autocast per micro-batch "
-                  "| each further one, one region + fixed_weights (pretraining) |")
-            print("|---|---|---|---|")
+            print("# first micro-batch of a step / each further one (gradient accumulation: 2 micro-batches less 1); "
+                  "old loop: an autocast region per micro-batch, backward inside it; new: pretraining's one region "
+                  "with fixed_weights, backward outside autocast")
+            print("| variant | old loop: first / each further | new loop: first / each further |")
+            print("|---|---|---|")
         for label, variant, mode in rows[:4]:
-            aten, triton, _ = run_child(args, variant, mode, "none")
-            cells = [f"{aten} + {triton} = {aten + triton}"]
-            if args.accumulate:
-                for fixed in (False, True):
-                    two = run_child(argparse.Namespace(**{**vars(args), "micro_batches": 2, "fixed": fixed}), variant, mode,
-                                    "none")
-                    cells.append(str(sum(two[:2]) - aten - triton))
+            if not args.accumulate:
+                aten, triton, _ = run_child(args, variant, mode, "none")
+                print(f"| {label} | {aten} + {triton} = {aten + triton} |")
+                continue
+            cells = []
+            for loop in ("old", "new"):
+                one, two = (sum(run_child(argparse.Namespace(**{**vars(args), "micro_batches": k, "loop": loop}),
+                                          variant, mode, "none")[:2]) for k in (1, 2))
+                cells.append(f"{one} / {two - one}")
             print(f"| {label} | {' | '.join(cells)} |")
         return
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
@@ -260,9 +264,8 @@ def run_child(args, variant, mode, mask, label=None):
     if args.verbose:
         cmd.append("--verbose")
     if args.step:
-        cmd += ["--step", "--micro-batches", str(getattr(args, "micro_batches", 1))]
-        if getattr(args, "fixed", False):
-            cmd.append("--fixed")
+        cmd += ["--step", "--micro-batches", str(getattr(args, "micro_batches", 1)), "--loop",
+                getattr(args, "loop", "new")]
     if args.host_time:
         cmd += ["--host-time", "--repeats", str(args.repeats)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

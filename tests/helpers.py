@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nystromformer import shards
 
@@ -54,3 +57,27 @@ def write_model_dir(folder: Path, config: dict) -> Path:
 
 def read_log(path: Path, kind: str = "train") -> list:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("type") == kind]
+
+
+class WeightCasts(TorchDispatchMode):
+    """While active, counts the casts to bf16 of every tensor, by storage and by shape; then how often each of a
+    model's parameters was cast (``of_parameters``) and each layer's joined q, k, v weight (``of_joined_qkv``: not a
+    parameter, so found by its shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_storage, self.by_shape = Counter(), Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            self.by_storage[args[0].untyped_storage().data_ptr()] += 1
+            self.by_shape[tuple(args[0].shape)] += 1
+        return func(*args, **kwargs)
+
+    def of_parameters(self, model) -> dict:
+        return {name: self.by_storage[p.untyped_storage().data_ptr()] for name, p in model.named_parameters()}
+
+    def of_joined_qkv(self, model) -> int:
+        cfg = model.config
+        return self.by_shape[(3 * cfg.num_head * cfg.head_dim, cfg.transformer_dim)]

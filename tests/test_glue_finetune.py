@@ -23,6 +23,8 @@ from nystromformer.glue.submission import read_submission
 from nystromformer.glue.sweep import grid, run_sweep, summary_dir, write_summary
 from nystromformer.model import NystromformerForMaskedLM, NystromformerForSequenceClassification
 
+from helpers import WeightCasts
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "glue"
 
@@ -519,6 +521,24 @@ def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
     outputs = runner.predict(loader)
     assert np.isfinite(outputs).all() and np.abs(outputs).max() > 65504
     assert runner.amp  # fp16 again for what follows
+
+
+def test_mixed_precision_predictions_cast_each_weight_once_for_all_the_batches():
+    # One autocast region (and model.fixed_weights) for the whole prediction: the weights cannot change meanwhile.
+    from nystromformer.glue.finetune import Runner
+    cfg = ModelConfig(vocab_size=40, max_seq_len=32, embedding_dim=16, transformer_dim=16, transformer_hidden_dim=32,
+                      num_layers=2, num_head=2, head_dim=8, num_landmarks=4, conv_kernel_size=3, dropout_prob=0.0)
+    model = NystromformerForSequenceClassification(cfg, 2)
+    batches = [{"input_ids": torch.randint(5, 40, (2, 32)), "attention_mask": torch.ones(2, 32, dtype=torch.long)}
+               for _ in range(3)]
+    runner = Runner(model, torch.device("cpu"), False)
+    runner.amp, runner.amp_dtype = True, torch.bfloat16
+    with WeightCasts() as casts:
+        outputs = runner.predict(batches)
+    assert outputs.shape == (6, 2)
+    params = casts.of_parameters(model)
+    assert max(params.values()) == 1 and params["classifier.out_proj.weight"] == 1
+    assert casts.of_joined_qkv(model) == cfg.num_layers
 
 
 @pytest.mark.parametrize("flags, named", [

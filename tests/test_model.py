@@ -8,7 +8,7 @@ from nystromformer.mlm import padding_mask
 from nystromformer.model import (IGNORE_INDEX, NystromformerForMaskedLM, NystromformerForSequenceClassification,
                                  fixed_weights, masked_positions_of)
 
-from helpers import tiny_config
+from helpers import WeightCasts, tiny_config
 
 
 def model_config(**kw):
@@ -217,35 +217,32 @@ def test_micro_batches_with_fixed_weights_give_bitwise_the_losses_and_gradients_
 
 
 def test_under_autocast_fixed_weights_casts_each_weight_once_for_all_the_micro_batches():
-    from torch.utils._python_dispatch import TorchDispatchMode
     model = NystromformerForMaskedLM(model_config())
     ids = torch.randint(5, 64, (4, 32))
     labels = torch.where(torch.rand(4, 32) < 0.3, ids, IGNORE_INDEX)
-    weights = {p.untyped_storage().data_ptr() for name, p in model.named_parameters() if "norm" not in name}
-    inner = model.config.num_head * model.config.head_dim
-
-    class CountCasts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
-                source = args[0]
-                if source.untyped_storage().data_ptr() in weights:
-                    casts["weights"] += 1
-                elif source.shape == (3 * inner, model.config.transformer_dim):  # a layer's joined q, k, v weight
-                    casts["joined"] += 1
-            return func(*args, **kwargs)
     counts = {}
     for fixed in (False, True):
-        casts = {"weights": 0, "joined": 0}
-        with CountCasts():
+        with WeightCasts() as casts:
             accumulated(model, ids, labels, fixed=fixed)
-        counts[fixed] = casts
+        params = casts.of_parameters(model)
+        counts[fixed] = sum(params.values()), max(params.values()), casts.of_joined_qkv(model)
     layers = model.config.num_layers
     # per layer the output projection's and the feed-forward's weights and biases; the MLM head's dense weight
     # and bias, the tied decoder's weight and its bias; and per layer the joined q, k, v weight
-    per_pass = {"weights": 6 * layers + 4, "joined": layers}
-    assert counts[False] == {k: 4 * v for k, v in per_pass.items()}
-    assert counts[True] == per_pass
+    assert counts[False] == (4 * (6 * layers + 4), 4, 4 * layers)
+    assert counts[True] == (6 * layers + 4, 1, layers)
+
+
+def test_fixed_weights_blocks_nest_and_share_the_outer_block_s_copies():
+    model = NystromformerForMaskedLM(model_config())
+    ids = torch.randint(5, 64, (1, 32))
+    with WeightCasts() as casts, torch.autocast("cpu", dtype=torch.bfloat16), fixed_weights(model):
+        model.logits(ids)
+        with fixed_weights(model):
+            model.logits(ids)
+        model.logits(ids)
+    assert casts.of_joined_qkv(model) == model.config.num_layers
+    assert all(layer.attention._fixed is None for layer in model.encoder.layers)
 
 
 def test_a_weight_changed_in_place_inside_fixed_weights_is_an_error_not_a_stale_copy():

@@ -26,7 +26,8 @@ from nystromformer.resume import check_resumable_data, data_fingerprint
 from nystromformer.shards import ShardError, ShardedSequences
 from nystromformer.validate import validate
 
-from helpers import FIRST_WORD, SPECIAL, read_log, tiny_config, write_model_dir, write_synthetic_data
+from helpers import (FIRST_WORD, SPECIAL, WeightCasts, read_log, tiny_config, write_model_dir,
+                     write_synthetic_data)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,28 +196,32 @@ def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_
                                                                         rel=1e-4)
 
 
-def test_a_mixed_precision_step_casts_each_weight_once_and_runs_its_backward_outside_autocast(tmp_path, data,
-                                                                                              monkeypatch):
-    # One step of 4 micro-batches under bf16 autocast (CPU autocast has bf16 too), attention_fp32 on (the default).
-    # The weights cannot change within a step, so each is cast once, not once per micro-batch. And the backward
-    # runs outside autocast: under it autocast would cast the fp32 attention's backward products to bf16.
-    from torch.utils._python_dispatch import TorchDispatchMode
+@pytest.fixture
+def bf16_on_cpu(monkeypatch):
+    """Pretraining under bf16 autocast, as on GPUs with bf16: CPU autocast has bf16 too."""
     import nystromformer.pretrain as pretraining
     setup = pretraining.setup_runtime
     monkeypatch.setattr(pretraining, "setup_runtime",
                         lambda mixed_precision, device=None: dataclasses.replace(setup(mixed_precision, device),
                                                                                autocast_dtype=torch.bfloat16))
-    casts, low_precision_products = {}, []
 
-    class Record(TorchDispatchMode):
+
+def test_a_mixed_precision_step_casts_each_weight_once_and_runs_its_backward_outside_autocast(tmp_path, data,
+                                                                                              bf16_on_cpu,
+                                                                                              monkeypatch):
+    # One step of 4 micro-batches under bf16 autocast, attention_fp32 on (the default). The weights cannot change
+    # within a step, so each is cast once, not once per micro-batch — the joined q, k, v weight of each layer too
+    # (model.fixed_weights). And the backward runs outside autocast: under it autocast would cast the fp32
+    # attention's backward products to bf16.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import nystromformer.pretrain as pretraining
+    low_precision_products = []
+
+    class LowPrecisionProducts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
-                key = args[0].untyped_storage().data_ptr()
-                casts[key] = casts.get(key, 0) + 1
             if func is torch.ops.aten.bmm.default and torch.bfloat16 in (args[0].dtype, args[1].dtype):
                 low_precision_products.append(func)  # the attention core's products (the projections are mm)
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
     built = []
     monkeypatch.setattr(pretraining, "NystromformerForMaskedLM",
                         lambda cfg: built.append(NystromformerForMaskedLM(cfg)) or built[-1])
@@ -224,13 +229,26 @@ def test_a_mixed_precision_step_casts_each_weight_once_and_runs_its_backward_out
                        pretraining_setting={"batch_size": 16, "batches_per_epoch": 1, "epoch": 1,
                                             "validate_batches_per_epoch": 0},
                        gpu_setting={"inst_per_gpu": 4})
-    with Record():
+    with LowPrecisionProducts(), WeightCasts() as casts:
         assert run(folder) == 0
     assert len(losses(folder)) == 1
-    params = {name: casts.get(p.untyped_storage().data_ptr(), 0) for name, p in built[0].named_parameters()}
+    params = casts.of_parameters(built[0])
     assert max(params.values()) == 1, params
     assert [params[f"encoder.layers.{i}.ffn.dense_in.weight"] for i in range(2)] == [1, 1]
+    assert casts.of_joined_qkv(built[0]) == built[0].config.num_layers
     assert low_precision_products == []
+
+
+def test_a_mixed_precision_dev_evaluation_casts_each_weight_once(tmp_path, data):
+    from nystromformer.mlm import evaluate
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config(mixed_precision=True)).model)
+    dev = ShardedSequences(data, "dev")
+    with WeightCasts() as casts:  # 16 sequences in micro-batches of 4, in one autocast region
+        metrics = evaluate(model, dev, 16, 4, 0, 0.15, torch.device("cpu"), torch.bfloat16)
+    assert metrics["num_sequences"] == 16
+    params = casts.of_parameters(model)
+    assert max(params.values()) == 1 and params["encoder.layers.1.ffn.dense_out.weight"] == 1
+    assert casts.of_joined_qkv(model) == model.config.num_layers
 
 
 @pytest.fixture

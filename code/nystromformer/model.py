@@ -125,15 +125,18 @@ def fixed_weights(model: nn.Module):
     an evaluation: each layer's joined q, k, v weight, and under autocast its cast, is made once for the block
     instead of once per pass. Give the block one autocast region too (not one per pass) and autocast's cache does
     the same for every other weight's cast. The results are bitwise those of separate passes. A projection weight
-    changed in place inside the block (an optimizer step) is an error, not a stale copy."""
+    changed in place inside the block (an optimizer step) is an error, not a stale copy — except through ``.data``,
+    which autograd's version counter does not see (nor autocast's cache). Blocks nest: an inner one shares the
+    outer one's copies."""
     layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    outer = [layer._fixed for layer in layers]
     for layer in layers:
-        layer._fixed = {}
+        layer._fixed = {} if layer._fixed is None else layer._fixed
     try:
         yield
     finally:
-        for layer in layers:
-            layer._fixed = None
+        for layer, before in zip(layers, outer):
+            layer._fixed = before
 
 
 def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -41,8 +41,8 @@ def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
 def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The skip connection's ``Conv2d(h, h, (k, 1), groups=h)`` (weight (h, 1, k, 1)) on (b, h, n, d), as a grouped
     conv1d. Not the Conv2d itself: on x86 CPUs oneDNN's depthwise kernel (jit_dw, oneDNN 3.12 in torch 2.13)
-    gets its fp32 weight gradient wrong for long sequences and wide kernels (3-12% off fp64 at n = 512, k = 65, the
-    paper's setting), while its conv1d kernel is right (< 1e-6); on GPUs and in fp64 the two agree."""
+    gets its fp32 weight gradient wrong at some of the paper's sizes (3-14% off fp64: k = 65 at n = 128 to 1024,
+    k = 33 at n = 256), while its conv1d kernel is right (< 1e-6); on GPUs and in fp64 the two agree."""
     b, h, n, d = x.shape
     k = weight.shape[-2]
     xs = x.permute(0, 3, 1, 2).reshape(b * d, h, n)
