@@ -196,14 +196,19 @@ def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_
                                                                         rel=1e-4)
 
 
-@pytest.fixture
-def bf16_on_cpu(monkeypatch):
-    """Pretraining under bf16 autocast, as on GPUs with bf16: CPU autocast has bf16 too."""
+def autocast_on_cpu(monkeypatch, dtype):
+    """Pretraining under autocast to ``dtype`` on the CPU (CPU autocast has bf16 and fp16 too), as on a GPU."""
     import nystromformer.pretrain as pretraining
     setup = pretraining.setup_runtime
     monkeypatch.setattr(pretraining, "setup_runtime",
                         lambda mixed_precision, device=None: dataclasses.replace(setup(mixed_precision, device),
-                                                                               autocast_dtype=torch.bfloat16))
+                                                                               autocast_dtype=dtype))
+
+
+@pytest.fixture
+def bf16_on_cpu(monkeypatch):
+    """Pretraining under bf16 autocast, as on GPUs with bf16."""
+    autocast_on_cpu(monkeypatch, torch.bfloat16)
 
 
 def test_a_mixed_precision_step_casts_each_weight_once_and_runs_its_backward_outside_autocast(tmp_path, data,
@@ -724,12 +729,8 @@ def test_with_loss_scaling_only_a_run_of_non_finite_losses_is_a_divergence(tmp_p
 
 @pytest.fixture
 def fp16_on_cpu(monkeypatch):
-    """Pretraining in fp16 with a GradScaler, as on GPUs without bf16: CPU autocast has fp16 too."""
-    import nystromformer.pretrain as pretraining
-    setup = pretraining.setup_runtime
-    monkeypatch.setattr(pretraining, "setup_runtime",
-                        lambda mixed_precision, device=None: dataclasses.replace(setup(mixed_precision, device),
-                                                                               autocast_dtype=torch.float16))
+    """Pretraining in fp16 with a GradScaler, as on GPUs without bf16."""
+    autocast_on_cpu(monkeypatch, torch.float16)
 
 
 def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_run_goes_on(tmp_path, data,
