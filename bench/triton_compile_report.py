@@ -110,12 +110,13 @@ def configs(dt: str, prec: str, wide: bool):
         for kept in (False, True):
             fwd, bwd = ((", keeping iterates", ", from kept iterates") if kept else ("", ""))
             yield (f"landmark {form} forward{fwd}", nt._core_fwd_kernel,
-                   dict(**core, W=w_t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                   dict(**core, W=w_t, STAT="*fp32", ZW=t, ZS="*fp32", M=I32, D=I32, NBH=I32, GROUP=I32,
+                        scale="fp32"),
                    dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEEP=kept), nt.CORE_WARPS)
             for transposed in (False, True):
                 yield (f"landmark {form} backward{bwd}" + (", transposed" if transposed else ""), nt._core_bwd_kernel,
                        dict(**core, W=w_t, STAT="*fp32", COLS="*fp32", G=t, DW=t, DA="*fp32", DDIV="*fp32",
-                            NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, scale="fp32"),
+                            NTIE="*fp32", ZS="*fp32", M=I32, D=I32, NBH=I32, GROUP=I32, scale="fp32"),
                        dict(ITERS=6, **batch, PREC=prec, **core_c, HAS_W=has_w, KEPT=kept, TRANSPOSED=transposed),
                        nt.CORE_WARPS)
     for one_node in (False, True):  # the one-node layer keeps the landmark gradients in fp32
@@ -123,7 +124,7 @@ def configs(dt: str, prec: str, wide: bool):
         yield ("landmark core softmax backward" + (", fp32 landmark gradients" if one_node else ""),
                nt._core_softmax_bwd_kernel,
                dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t, M=I32,
-                    D=I32, NBH=I32, scale="fp32"),
+                    D=I32, NBH=I32, GROUP=I32, scale="fp32"),
                dict(**batch, **core_c), nt.CORE_WARPS)
     for conv in (False, True):  # the one-node layer adds the conv inside pass 2's forward
         yield ("pass 2 forward" + (" + conv" if conv else ""), nt._lk_fwd_kernel,

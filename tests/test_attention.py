@@ -84,6 +84,40 @@ def test_exact_init_is_per_matrix_while_original_init_depends_on_batch_mates():
     assert not torch.allclose(iterative_pinv(batch, 2, "original")[0], iterative_pinv(flat, 2, "original"))
 
 
+@pytest.mark.parametrize("conv", [None, 5])
+def test_original_init_over_groups_of_rows_is_one_pass_per_group(conv):
+    # init_rows: what pretraining sets (inst_per_gpu), so that one pass over several micro-batches' rows computes
+    # what a pass per micro-batch computes, the pseudo-inverse's batch max included. 5 rows in groups of 2.
+    att = build_attention(config(num_landmarks=8, conv_kernel_size=conv)).double()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(5, H, 40, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    mask = torch.ones(5, 40, dtype=torch.float64)
+    mask[1, 30:] = mask[4, 11:] = 0
+    att.init_rows = 2
+    grouped = att(q, k, v, mask)
+    att.init_rows = None
+    per_group = torch.cat([att(q[i:i + 2], k[i:i + 2], v[i:i + 2], mask[i:i + 2]) for i in range(0, 5, 2)])
+    assert relative_error(grouped, per_group) < 1e-13
+    gout = torch.randn(grouped.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(grouped, (q, k, v), gout), torch.autograd.grad(per_group, (q, k, v), gout)):
+        assert relative_error(a, b) < 1e-13
+    whole_batch = att(q, k, v, mask)
+    assert relative_error(whole_batch, per_group) > 1e-6   # the whole batch's max: other outputs
+    att.init_rows = 5   # a group as large as the batch is the batch
+    assert torch.equal(att(q, k, v, mask), whole_batch)
+
+
+def test_original_init_over_groups_splits_the_max_gradient_over_each_groups_ties():
+    from nystromformer.attention.nystrom import pinv_init
+    a = torch.softmax(torch.zeros(4, 2, 5, 5, dtype=torch.float64), -1).requires_grad_()  # every column sum ties
+    grouped = pinv_init(a, "original", init_rows=3)
+    per_group = torch.cat([pinv_init(a[:3], "original"), pinv_init(a[3:], "original")])
+    assert torch.equal(grouped, per_group)
+    gout = torch.randn(a.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    (da,), (db,) = torch.autograd.grad(grouped, a, gout), torch.autograd.grad(per_group, a, gout)
+    assert torch.allclose(da, db, rtol=1e-14, atol=1e-15)
+
+
 def test_the_initial_guesses_are_the_transpose_over_the_papers_norms():
     from nystromformer.attention.nystrom import pinv_init
     a = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)  # not stochastic

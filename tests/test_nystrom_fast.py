@@ -63,7 +63,7 @@ def compare(att, qkv, mask, use_triton, tol, fast_mask="same"):
     params = [q, k, v] + ([att.conv.weight] if att.conv is not None else [])
     ref = att.reference_forward(q, k, v, mask)
     out = nystrom_fast.forward(q, k, v, mask if fast_mask == "same" else fast_mask, num_landmarks=att.num_landmarks,
-                               pinv_iterations=att.pinv_iterations, init=att.init_option,
+                               pinv_iterations=att.pinv_iterations, init=att.init_option, init_rows=att.init_rows,
                                conv_weight=None if att.conv is None else att.conv.weight, use_triton=use_triton)
     assert out.shape == ref.shape and torch.isfinite(out).all()
     assert rel(out, ref) < tol, rel(out, ref)
@@ -92,6 +92,17 @@ def test_fused_pytorch_path_matches_reference_fp64(n, m, conv, init, pad):
     att = layer(m, conv, init)
     qkv, mask = inputs(2, n, pad=pad, seed=n + m)
     compare(att, qkv, mask, use_triton=False, tol=FP64_TOL)
+
+
+def test_init_over_groups_of_rows_is_the_references():
+    # init_rows (pretraining: inst_per_gpu) — the max over each group of 2 rows, the last group of 5 rows shorter
+    att = layer(8, 5)
+    att.init_rows = 2
+    qkv, mask = inputs(5, 67, pad=(3, 20, 0, 9, 0), seed=11)
+    compare(att, qkv, mask, use_triton=False, tol=FP64_TOL)
+    att.init_rows = None   # and the grouping matters here: the whole batch's max gives other outputs
+    assert rel(att.reference_forward(*qkv, mask), nystrom_fast.forward(*qkv, mask, num_landmarks=8, init_rows=2,
+                                                                      conv_weight=att.conv.weight)) > 1e-6
 
 
 def test_fused_path_fp32_close_to_reference_fp64():
@@ -380,6 +391,18 @@ def test_interp_conv_kernel(n, ks, res):
 def test_interp_whole_fast_path_with_triton(n, m, conv, init, pad):
     att = layer(m, conv, init)
     qkv, mask = inputs(2, n, pad=pad, seed=n + m)
+    compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("init_rows,overlap", [(2, False), (1, False), (4, False), (2, True)])
+def test_interp_init_over_groups_of_rows_with_triton(init_rows, overlap, monkeypatch):
+    # =1: pinv_init's groups before the pinv kernel; =all: the core's kernels read each group's max (and in
+    # training the one-node layer's), also in the split form of NYSTROM_OVERLAP=1
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1" if overlap else "0")
+    att = layer(8, 5)
+    att.init_rows = init_rows
+    qkv, mask = inputs(5, 67, pad=(3, 20, 0, 9, 0), seed=init_rows)
     compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
 
 
@@ -722,7 +745,7 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
     out, lse, _ = nt._lq_forward(q_land, k, v, keep * 0)
     stat, cols = nt._core_stats(q_land, k_land)
     monkeypatch.setattr(nt, "CORE_KEEP_MAX", 4)
-    _, kept = nt._core_forward(q_land, k_land, zw, stat, 3, "ieee", True)    # 4 matrices: iterates kept
+    _, kept = nt._core_forward(q_land, k_land, zw, stat, 3, "ieee", True, 4)  # 4 matrices: iterates kept
     replay = kept.new_empty(0)                                               # the backward replays instead
     cases = {nt._pinv_forward: (a, a.transpose(-1, -2), 3, "ieee", 0),
              nt._pinv_backward: (a, a.transpose(-1, -2).contiguous(), r(2, 2, 8, 8), 3, "ieee", 0),
@@ -736,28 +759,29 @@ def test_interp_kernel_custom_ops_pass_torch_library_opcheck(monkeypatch):
              nt._conv_input_grad: (v, keep, r(2, 5)),
              nt._conv_weight_grad: (v, keep, q, 5),
              nt._core_stats: (q_land, k_land),
-             nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee", True),
-             nt._core_backward: (q_land, k_land, zw, stat, cols, kept, r(2, 2, 8, 16), 3, "ieee"),
-             nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee", True),
-             nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee")}
+             nt._core_forward: (q_land, k_land, zw, stat, 3, "ieee", True, 4),
+             nt._core_backward: (q_land, k_land, zw, stat, cols, kept, r(2, 2, 8, 16), 3, "ieee", 4),
+             nt._core_pinv_forward: (q_land, k_land, stat, 3, "ieee", True, 2),   # a max per batch row
+             nt._core_pinv_backward: (q_land, k_land, stat, cols, kept, r(2, 2, 8, 8), 3, "ieee", 2)}
     taps = r(2, 5)
-    ql, kl, w, lse1, zw1, stat1, cols1, zs = nt._layer_forward(q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True)[1:]
+    ql, kl, w, lse1, zw1, stat1, cols1, zs = nt._layer_forward(q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True,
+                                                               4)[1:]
     saved = (stat1, cols1, ql, kl, w, lse1, zw1, zs)               # the backward's order: statistics, landmarks
     recomputed = (stat1, cols1) + (None,) * 6                      # NYSTROM_RECOMPUTE=1: landmarks made again
-    cases[nt._layer_forward] = (q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True)
+    cases[nt._layer_forward] = (q, k, v, keep, keep * 0, taps, 8, 3, "ieee", True, 4)
     cases[nt._layer_backward] = (q, k, v, keep, keep * 0, taps, *saved, r(2, 40, 2, 16).transpose(1, 2), 8, 3,
-                                 "ieee", True, True, True)
+                                 "ieee", 4, True, True, True)
     for fn, args in cases.items():
         torch.library.opcheck(fn.op, args)
-    for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee")),
-                     (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee")),
+    for fn, args in ((nt._core_backward, (q_land, k_land, zw, stat, cols, replay, r(2, 2, 8, 16), 3, "ieee", 2)),
+                     (nt._core_pinv_backward, (q_land, k_land, stat, cols, replay, r(2, 2, 8, 8), 3, "ieee", 4)),
                      (nt._lq_forward, (q_land, k, v, None)),                        # no padding: no key bias
                      (nt._lq_backward, (q_land, k, v, None, out, lse, r(2, 2, 8, 16))),
-                     (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee", False)),  # no padding, no conv
-                     (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 8, 3, "ieee", False,
-                                           False, False)),                           # only dK asked for
+                     (nt._layer_forward, (q, k, v, keep, None, None, 8, 3, "ieee", False, 2)),  # no padding, conv
+                     (nt._layer_backward, (q, k, v, keep, None, None, *saved, r(2, 2, 40, 16), 8, 3, "ieee", 4,
+                                           False, False, False)),                    # only dK asked for
                      (nt._layer_backward, (q, k, v, keep, keep * 0, taps, *recomputed, r(2, 2, 40, 16), 8, 3,
-                                           "ieee", True, True, True)),
+                                           "ieee", 2, True, True, True)),
                      # several programs, and m, d the block's sides: dK̃ and d(ZW) from one sum, not aliased
                      (nt._lk_backward, (r(1, 300, 1, 16).transpose(1, 2), torch.ones(1, 300, dtype=torch.float64),
                                         r(1, 1, 16, 16), r(1, 1, 16, 16), r(1, 1, 300, 16)))):
@@ -895,13 +919,14 @@ def test_interp_core_rounds_a_wider_w_to_the_dtype_of_z_w_as_a_copy_in_that_dtyp
     w = w_low.float() * (1 + 2 ** -9)
     assert not torch.equal(w, w_low.float()) and torch.equal(w.to(torch.bfloat16), w_low)
     stat, cols = nt._core_stats(q_land, k_land)
-    zw, _ = nt._core_iterate(q_land, k_land, w, stat, 3, "ieee", has_w=True, keep=False, zw_dtype=torch.bfloat16)
-    zw_low, _ = nt._core_iterate(q_land, k_land, w_low, stat, 3, "ieee", has_w=True, keep=False)
+    zw, _ = nt._core_iterate(q_land, k_land, w, stat, 3, "ieee", has_w=True, keep=False, group=4,
+                             zw_dtype=torch.bfloat16)
+    zw_low, _ = nt._core_iterate(q_land, k_land, w_low, stat, 3, "ieee", has_w=True, keep=False, group=4)
     assert zw.dtype == torch.bfloat16 and torch.equal(zw, zw_low)
     replay = stat.new_empty(0)
-    grads = nt._core_reverse(q_land, k_land, w, stat, cols, replay, dzw, 3, "ieee", has_w=True,
+    grads = nt._core_reverse(q_land, k_land, w, stat, cols, replay, dzw, 3, "ieee", has_w=True, group=4,
                              dw_dtype=torch.bfloat16)
-    grads_low = nt._core_reverse(q_land, k_land, w_low, stat, cols, replay, dzw, 3, "ieee", has_w=True)
+    grads_low = nt._core_reverse(q_land, k_land, w_low, stat, cols, replay, dzw, 3, "ieee", has_w=True, group=4)
     assert grads[2].dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(grads, grads_low))
     assert nt.landmark_core(q_land, k_land, w, 3, "ieee").dtype == torch.float32     # W's dtype, not rounded
     assert not torch.equal(nt.landmark_core(q_land, k_land, w, 3, "ieee"), zw.float())
@@ -1144,10 +1169,10 @@ def test_interp_pass_2_backward_gives_d_zw_in_the_dtype_asked_for_rounded_once(n
         assert torch.equal(dzw16, dzw.to(torch.bfloat16))
 
 
-def _landmark_middle(q_land, k_land, w, iters=6):
+def _landmark_middle(q_land, k_land, w, iters=6, init_rows=None):
     """The PyTorch composition the landmark core replaces: pinv(softmax(Q̃K̃ᵀ/√d)) @ W, init="original"."""
     a = torch.softmax(q_land @ k_land.transpose(-1, -2) * q_land.shape[-1] ** -0.5, -1)
-    return iterative_pinv(a, iters, "original") @ w
+    return iterative_pinv(a, iters, "original", init_rows) @ w
 
 
 @needs_interpreter
@@ -1238,9 +1263,9 @@ def test_interp_core_backward_from_kept_iterates_equals_the_replay(split, iters,
     for keep_max in (256, 0):
         monkeypatch.setattr(nystrom_triton, "CORE_KEEP_MAX", keep_max)
         stat = nystrom_triton._core_stats(q_land, k_land)[0]
-        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", True)
+        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", True, 6)
         assert zs.shape == ((6, iters + 1, 32, 32) if keep_max and iters else (0,))   # 20 landmarks: 32² blocks
-        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", False)
+        _, zs = nystrom_triton._core_forward(q_land, k_land, w, stat, iters, "ieee", False, 6)
         assert zs.shape == (0,)   # nothing kept when no backward will run
         params = [t.clone().requires_grad_() for t in (q_land, k_land, w)]
         out = (nystrom_triton.landmark_pinv(*params[:2], iters) if split else
@@ -1291,6 +1316,34 @@ def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_m
     gout = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, params, gout), torch.autograd.grad(ref, params, gout)):
         assert (a - b).norm() <= FP64_TOL * max(b.norm(), 1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("uniform", [False, True])
+def test_interp_landmark_core_takes_the_max_over_each_group_of_rows(uniform, pinv_backward_transposed):
+    # 20 rows × 15 heads = 300 matrices (over CORE_BLOCK_S: each group's maxes read in chunks), in groups of 9 rows
+    # (135 matrices; the last group 2 rows). Each group's largest column sum sits in a different place, the last
+    # one's in its last matrix; uniform: every column sum of every matrix ties, so each group splits the max's
+    # gradient over its own ties only (over the batch's, the gradients would be 135/300 as large).
+    from nystromformer.attention import nystrom_triton
+    g = torch.Generator().manual_seed(9)
+    q_land, k_land, w = (torch.randn(20, 15, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    if uniform:
+        q_land.zero_()
+    else:
+        for row, head in ((0, 3), (10, 14), (19, 14)):
+            q_land[row, head] *= 8
+    params = [t.requires_grad_() for t in (q_land, k_land, w)]
+    for rows in (9, 20, None):
+        out, ref = nystrom_triton.landmark_core(*params, 6, init_rows=rows), _landmark_middle(*params, 6, rows)
+        assert rel(out, ref) < FP64_TOL
+        gout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(out, params, gout), torch.autograd.grad(ref, params, gout)):
+            assert (a - b).norm() <= FP64_TOL * max(b.norm(), 1)
+        z = nystrom_triton.landmark_pinv(*params[:2], 6, init_rows=rows)
+        assert rel(nystrom_fast.times_w(z, w), ref) < FP64_TOL
+    if not uniform:  # the groups' maxes differ from the batch's: the test would see a core ignoring init_rows
+        assert rel(_landmark_middle(*params, 6, 9), _landmark_middle(*params, 6)) > 1e-3
 
 
 def test_triton_is_not_chosen_for_head_dims_its_tiles_do_not_fit(monkeypatch):

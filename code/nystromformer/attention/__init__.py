@@ -6,7 +6,9 @@ tokens and 0 for padding, or None when no row has padding (pretraining's full-le
 skip the masking work; the others call ``key_padding_mask``), and the result has the shape of ``v``. Scaling
 by 1/sqrt(head_dim) is the variant's job. Variants register themselves by ``attn_type`` name. A variant that
 never reads ``k`` says so with ``reads_keys = False`` (the model then passes ``q`` as ``k`` and skips the key
-projection).
+projection). A variant whose outputs depend on their batch mates (Nyström's ``"original"`` pseudo-inverse init, a
+max over the batch) has an ``init_rows`` attribute: when set, the mates are each group of that many consecutive
+rows, so that one pass over several groups computes what a pass per group would (``model.set_batch_groups``).
 """
 from __future__ import annotations
 

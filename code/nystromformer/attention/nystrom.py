@@ -50,10 +50,20 @@ def depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.reshape(b, d, h, n).permute(0, 2, 3, 1)
 
 
-def pinv_init(a: torch.Tensor, init: str = "original") -> torch.Tensor:
+def pinv_init(a: torch.Tensor, init: str = "original", init_rows: Optional[int] = None) -> torch.Tensor:
     """Z₀ of ``iterative_pinv`` (see there); shared with the fast path so both start from the same point."""
     if init == "original":
-        return a.transpose(-1, -2) / torch.max(torch.sum(a, dim=-2))
+        col_sums = torch.sum(a, dim=-2)
+        rows = a.shape[0]
+        if init_rows is None or init_rows >= rows:
+            return a.transpose(-1, -2) / torch.max(col_sums)
+        # The max over each group of init_rows batch rows, as if each group were its own batch (the last may be
+        # shorter: padded with -inf rows). One amax per group, whose backward splits the gradient evenly over
+        # the group's tied entries as torch.max's does over the batch's.
+        groups = -(-rows // init_rows)
+        flat = F.pad(col_sums.reshape(rows, -1), (0, 0, 0, groups * init_rows - rows), value=float("-inf"))
+        group_max = flat.reshape(groups, -1).amax(dim=1).repeat_interleave(init_rows)[:rows]
+        return a.transpose(-1, -2) / group_max.reshape((rows,) + (1,) * (a.dim() - 1))
     if init == "exact":
         norm_1 = a.abs().sum(dim=-2).amax(dim=-1)    # max column sum, per matrix
         norm_inf = a.abs().sum(dim=-1).amax(dim=-1)  # max row sum, per matrix
@@ -61,17 +71,20 @@ def pinv_init(a: torch.Tensor, init: str = "original") -> torch.Tensor:
     raise ValueError(f"unknown pseudo-inverse init {init!r} (expected 'original' or 'exact')")
 
 
-def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original") -> torch.Tensor:
+def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original",
+                   init_rows: Optional[int] = None) -> torch.Tensor:
     """Moore–Penrose pseudo-inverse of each matrix in ``a`` (..., m, m) by the paper's iteration
 
         Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ)))
 
     from Z₀ = Aᵀ / (‖A‖₁ ‖A‖∞). ``init="original"`` reproduces the authors' code: ‖A‖∞ taken as 1
     (rows of a softmax sum to 1) and ‖A‖₁ as the largest column sum over the *whole batch*, so one
-    matrix's scale depends on its batch mates. ``init="exact"`` uses both norms of each matrix itself.
+    matrix's scale depends on its batch mates; ``init_rows`` (``NystromAttention.init_rows``) limits the batch
+    mates to each group of that many consecutive rows of dim 0, so that one pass over several groups computes
+    what a pass per group would. ``init="exact"`` uses both norms of each matrix itself.
     """
     eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
-    z = pinv_init(a, init)
+    z = pinv_init(a, init, init_rows)
     for _ in range(num_iterations):
         az = a @ z
         z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
@@ -110,6 +123,10 @@ class NystromAttention(nn.Module):
         self.pinv_iterations = config.pinv_iterations
         self.init_option = config.inv_coeff_init_option
         self.impl = "auto"  # see use_fast_path; NYSTROM_IMPL overrides it
+        # init="original": the batch max over groups of this many rows (None: the whole batch). A run setting,
+        # not a weight: pretraining sets it to inst_per_gpu so that a pass of several micro-batches' rows
+        # computes what one pass per micro-batch would (model.init_groups).
+        self.init_rows: Optional[int] = None
         self.conv = None
         if config.conv_kernel_size is not None:
             k = config.conv_kernel_size
@@ -124,6 +141,7 @@ class NystromAttention(nn.Module):
             from . import nystrom_fast
             return nystrom_fast.forward(q, k, v, mask, num_landmarks=self.num_landmarks,
                                         pinv_iterations=self.pinv_iterations, init=self.init_option,
+                                        init_rows=self.init_rows,
                                         conv_weight=None if self.conv is None else self.conv.weight)
         return self.reference_forward(q, k, v, mask)
 
@@ -147,7 +165,7 @@ class NystromAttention(nn.Module):
             kernel_1 = torch.softmax(q @ k_land.transpose(-1, -2), dim=-1)
             kernel_2 = torch.softmax(q_land @ k_land.transpose(-1, -2), dim=-1)
             kernel_3 = torch.softmax(q_land @ k.transpose(-1, -2) + key_bias, dim=-1)
-            pinv = iterative_pinv(kernel_2, self.pinv_iterations, self.init_option)
+            pinv = iterative_pinv(kernel_2, self.pinv_iterations, self.init_option, self.init_rows)
             out = (kernel_1 @ pinv) @ (kernel_3 @ v)
 
         if self.conv is not None:

@@ -95,8 +95,8 @@ def pinv_iterate(a: torch.Tensor, z: torch.Tensor, num_iterations: int) -> torch
 
 
 def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_triton: bool = False,
-         precision: str = "ieee") -> torch.Tensor:
-    z0 = pinv_init(a, init)
+         precision: str = "ieee", init_rows: Optional[int] = None) -> torch.Tensor:
+    z0 = pinv_init(a, init, init_rows)
     if use_triton and a.shape[-1] <= MAX_LANDMARKS:
         from .nystrom_triton import pinv_iterate as triton_pinv_iterate
         return triton_pinv_iterate(a, z0, num_iterations, precision=precision)
@@ -106,7 +106,7 @@ def pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "original", use_t
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], *, num_landmarks: int,
             pinv_iterations: int = 6, init: str = "original", conv_weight: Optional[torch.Tensor] = None,
             use_triton: Optional[bool] = None, pinv_precision: str = "auto",
-            fused_backward: Optional[bool] = None) -> torch.Tensor:
+            fused_backward: Optional[bool] = None, init_rows: Optional[int] = None) -> torch.Tensor:
     """Nyström attention on (b, h, n, d) inputs with a (b, n) key padding mask (1 = token, 0 = padding), or
     ``mask=None`` for rows without padding (pretraining's full-length rows): then no mask multiplies, no key
     bias, and SDPA may pick FlashAttention — the same function as an all-ones mask, one Q-sized copy fewer.
@@ -117,7 +117,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     docs/performance.md), "tf32x3" (near fp32) for fp32 inputs; or "ieee" / "tf32x3" / "tf32" explicitly.
     ``fused_backward`` (Triton only; default: ``NYSTROM_TRITON=all``): in training, run the layer as one autograd
     node (``_TritonNystrom``) where the attention kernels apply (m ≤ 64, ``init="original"``, no
-    ``NYSTROM_OVERLAP``); False: the per-kernel autograd path.
+    ``NYSTROM_OVERLAP``); False: the per-kernel autograd path. ``init_rows``: ``init="original"``'s max over
+    each group of that many batch rows instead of the whole batch (``nystrom.iterative_pinv``).
     """
     b, h, n, d = q.shape
     if use_triton is None:
@@ -146,7 +147,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
     # Pass 2's kernel, like the others, takes the (b, n) keep vector whether or not there is padding; pass 1's
     # adds the key bias only where there is one.
     pass_keep, pass_bias = (kernel_keep if attention_kernels else keep), bias
-    landmark_args = (pass_keep, pass_bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision)
+    landmark_args = (pass_keep, pass_bias, pinv_iterations, init, attention_kernels, use_triton, pinv_precision,
+                     init_rows)
 
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if num_landmarks >= n:
@@ -155,7 +157,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[to
         # Training with the kernels: one autograd node whose backward writes dq, dk, dv once each (custom ops
         # under torch.compile, so the compiled step runs it too).
         return _TritonNystrom.apply(q, k, v, conv_weight, kernel_keep, bias, num_landmarks, pinv_iterations,
-                                    pinv_precision)
+                                    pinv_precision, init_rows)
     else:
         if training and all_kernels and recompute_mode():  # asked for, but this layer cannot: say so
             warnings.warn(f"NYSTROM_RECOMPUTE=1 does not apply to this layer (num_landmarks={num_landmarks}, "
@@ -204,7 +206,7 @@ def _key_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, init, attention_kernels, use_triton,
-                        pinv_precision):
+                        pinv_precision, init_rows=None):
     """SDPA(Q·keep, K̃, pinv(softmax(Q̃K̃ᵀ/√d)) · SDPA(Q̃, K, V, bias)); the m × m pieces in ≥ fp32.
 
     With ``attention_kernels`` (m ≤ 64) both passes are Triton kernels: pass 1 (the m landmark queries over all
@@ -230,39 +232,42 @@ def _landmark_attention(q, k, v, q_land, k_land, keep, bias, pinv_iterations, in
         q_side, k_side = q_land.view_as(q_land), k_land.view_as(k_land)
         with _on(side):
             z = landmark_pinv(q_side, k_side, pinv_iterations, init, use_triton, pinv_precision,
-                              core_kernel=attention_kernels)
+                              core_kernel=attention_kernels, init_rows=init_rows)
         _join(side, z, reads=(q_land, k_land))
         zw = times_w(z, w)
     else:
         zw = landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision,
-                             core_kernel=attention_kernels)
+                             core_kernel=attention_kernels, init_rows=init_rows)
     if attention_kernels:
         from .nystrom_triton import landmark_keys_attention
         return landmark_keys_attention(q, keep, k_land, zw)
     return F.scaled_dot_product_attention(q if keep is None else q * keep[:, None, :, None], k_land, zw)
 
 
-def landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False):
+def landmark_middle(q_land, k_land, w, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False,
+                    init_rows=None):
     """pinv(softmax(Q̃K̃ᵀ/√d)) @ W, in W's dtype, computed in ≥ fp32 even under autocast (the iteration is not
     stable in bf16). ``core_kernel`` (m ≤ 64, ``init="original"``): the Triton ``landmark_core``, 2 + 2 launches;
     otherwise PyTorch ops around the pinv iteration (a Triton kernel if ``use_triton``)."""
     if core_kernel and init == "original":
         from .nystrom_triton import landmark_core
-        return landmark_core(q_land, k_land, w, pinv_iterations, pinv_precision)
-    return times_w(landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision), w)
+        return landmark_core(q_land, k_land, w, pinv_iterations, pinv_precision, init_rows)
+    return times_w(landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision,
+                                 init_rows=init_rows), w)
 
 
-def landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False):
+def landmark_pinv(q_land, k_land, pinv_iterations, init, use_triton, pinv_precision, core_kernel=False,
+                  init_rows=None):
     """Z = pinv(softmax(Q̃K̃ᵀ/√d)), (b, h, m, m) in ≥ fp32 (autocast off); ``core_kernel``: the Triton
     ``landmark_pinv`` (the core's kernels without the product with W)."""
     if core_kernel and init == "original":
         from . import nystrom_triton
-        return nystrom_triton.landmark_pinv(q_land, k_land, pinv_iterations, pinv_precision)
+        return nystrom_triton.landmark_pinv(q_land, k_land, pinv_iterations, pinv_precision, init_rows)
     work = torch.promote_types(q_land.dtype, torch.float32)
     with torch.autocast(q_land.device.type, enabled=False):
         scores = q_land.to(work) @ k_land.to(work).transpose(-1, -2) * (q_land.shape[-1] ** -0.5)
         a = torch.softmax(scores, dim=-1)
-        return pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision)
+        return pinv(a, pinv_iterations, init, use_triton=use_triton, precision=pinv_precision, init_rows=init_rows)
 
 
 def times_w(z: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -364,7 +369,7 @@ class _TritonNystrom(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, conv_weight, keep, key_bias, m, iters, precision):
+    def forward(ctx, q, k, v, conv_weight, keep, key_bias, m, iters, precision, init_rows):
         from . import nystrom_triton as nt
         keep = keep.contiguous()
         taps = None if conv_weight is None else nt.conv_taps(conv_weight)
@@ -372,12 +377,12 @@ class _TritonNystrom(torch.autograd.Function):
         # that the output projection would keep besides this tensor.
         save = not recompute_mode()
         out, q_land, k_land, w, lse, zw, stat, cols, zs = nt.layer_forward(q, k, v, keep, key_bias, taps, m, iters,
-                                                                            precision, save)
+                                                                            precision, save, init_rows)
         # NYSTROM_RECOMPUTE=1: only the inputs and the core's batch statistics (b·h·(m + 1) numbers) are kept; the
         # landmark-sized tensors die here and the backward recomputes them.
         landmarks = (q_land, k_land, w, lse, zw, zs) if save else ()
         ctx.save_for_backward(q, k, v, keep, key_bias, taps, stat, cols, *landmarks)
-        ctx.m, ctx.iters, ctx.precision = m, iters, precision
+        ctx.m, ctx.iters, ctx.precision, ctx.init_rows = m, iters, precision, init_rows
         if conv_weight is not None:
             ctx.weight_shape, ctx.weight_dtype = conv_weight.shape, conv_weight.dtype
         return out
@@ -391,7 +396,7 @@ class _TritonNystrom(torch.autograd.Function):
         q, k, v, keep, key_bias, taps, stat, cols, *landmarks = ctx.saved_tensors
         dq, dk, dv, dtaps = nt.layer_backward(q, k, v, keep, key_bias, taps, stat, cols, landmarks or None, g,
                                               m=ctx.m, iters=ctx.iters, precision=ctx.precision, need_q=need_q,
-                                              need_v=need_v, need_taps=need_w)
+                                              need_v=need_v, need_taps=need_w, init_rows=ctx.init_rows)
         dw = dtaps.reshape(ctx.weight_shape).to(ctx.weight_dtype) if need_w else None
         return (dq if need_q else None, dk if need_k else None, dv if need_v else None, dw,
-                None, None, None, None, None)
+                None, None, None, None, None, None)

@@ -280,9 +280,9 @@ if triton is not None:
         return acc
 
     # --- the landmark core: ZW = pinv(softmax(Q̃ K̃ᵀ · scale)) · W, one program per (batch, head) matrix -------
-    # init="original" scales Z₀ by the max column sum over the *whole batch*, a global reduction between the
-    # softmax and the iteration; so: _core_stats_kernel (softmax, column sums) → _core_fwd_kernel (each program
-    # reads every matrix's max, ~b·h floats, then iterates in registers). Backward: _core_bwd_kernel (ZW and pinv
+    # init="original" scales Z₀ by the max column sum over the *whole batch* (or over each group of GROUP matrices:
+    # init_rows), a global reduction between the softmax and the iteration; so: _core_stats_kernel (softmax, column
+    # sums) → _core_fwd_kernel (each program reads its group's maxes, ≤ b·h floats, then iterates in registers). Backward: _core_bwd_kernel (ZW and pinv
     # backward, each matrix's share of the max's gradient) → _core_softmax_bwd_kernel (the max's gradient, split
     # evenly over tied column sums as torch.max's backward does, then softmax and Q̃K̃ᵀ backward). The m × m
     # softmax is recomputed rather than stored: one 64×64×64 product.
@@ -332,6 +332,18 @@ if triton is not None:
         return tl.sum(total, axis=0)
 
     @triton.jit
+    def _group_max(X, bh, NBH, GROUP, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr):
+        # the max over matrix bh's group: GROUP consecutive matrices (init_rows batch rows; the last group may be
+        # shorter), every matrix of the batch when GROUP = NBH (CHUNKS = ⌈GROUP / BLOCK_S⌉)
+        base = (bh // GROUP) * GROUP
+        return _batch_max(X + base, tl.minimum(GROUP, NBH - base), BLOCK_S, CHUNKS)
+
+    @triton.jit
+    def _group_sum(X, bh, NBH, GROUP, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr):
+        base = (bh // GROUP) * GROUP
+        return _batch_sum(X + base, tl.minimum(GROUP, NBH - base), BLOCK_S, CHUNKS)
+
+    @triton.jit
     def _core_stats_kernel(QL, KL, COLS, STAT, M, D, scale, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                            PREC: tl.constexpr, IS_F64: tl.constexpr):
         # COLS[bh] = the column sums of kernel_2, STAT[bh] = their max (the batch max is the max of STAT)
@@ -342,7 +354,7 @@ if triton is not None:
         tl.store(STAT + bh, tl.max(tl.where(r < M, colsum, float("-inf")), axis=0))
 
     @triton.jit
-    def _core_fwd_kernel(QL, KL, W, STAT, ZW, ZS, M, D, NBH, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+    def _core_fwd_kernel(QL, KL, W, STAT, ZW, ZS, M, D, NBH, GROUP, scale, ITERS: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr, PREC: tl.constexpr,
                          OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr, KEEP: tl.constexpr):
         # HAS_W: ZW = Z·W (m × d), W rounded to ZW's dtype first (a no-op where they match, as in landmark_core;
@@ -354,7 +366,7 @@ if triton is not None:
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
-        z = tl.trans(a) / _batch_max(STAT, NBH, BLOCK_S, CHUNKS)            # Z₀ = Aᵀ / max column sum
+        z = tl.trans(a) / _group_max(STAT, bh, NBH, GROUP, BLOCK_S, CHUNKS)  # Z₀ = Aᵀ / max column sum
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
         if KEEP:  # ZS: ITERS + 1 blocks per matrix, the last for the final Z (dW needs it)
             zs = ZS + bh.to(tl.int64) * (ITERS + 1) * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :]
@@ -370,7 +382,8 @@ if triton is not None:
             _store_landmark_tile(ZW, bh, z, M, M, BLOCK, BLOCK)
 
     @triton.jit
-    def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, scale, ITERS: tl.constexpr,
+    def _core_bwd_kernel(QL, KL, W, STAT, COLS, G, DW, DA, DDIV, NTIE, ZS, M, D, NBH, GROUP, scale,
+                         ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
                          PREC: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr, HAS_W: tl.constexpr,
                          KEPT: tl.constexpr, TRANSPOSED: tl.constexpr):
@@ -382,7 +395,7 @@ if triton is not None:
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
-        div = _batch_max(STAT, NBH, BLOCK_S, CHUNKS)
+        div = _group_max(STAT, bh, NBH, GROUP, BLOCK_S, CHUNKS)
         eye = tl.where((r[:, None] == r[None, :]) & (r < M)[:, None], 1.0, 0.0).to(a.dtype)
         square = r[:, None] * BLOCK + r[None, :]
         if KEPT:
@@ -417,14 +430,15 @@ if triton is not None:
         tl.store(NTIE + bh, tl.sum(tl.where(colsum == div, 1.0, 0.0), axis=0).to(NTIE.dtype.element_ty))
 
     @triton.jit
-    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, M, D, NBH, scale,
+    def _core_softmax_bwd_kernel(QL, KL, DA, STAT, COLS, DDIV, NTIE, DQL, DKL, M, D, NBH, GROUP, scale,
                                  BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                                  CHUNKS: tl.constexpr, OUTER: tl.constexpr, IS_F64: tl.constexpr):
         bh = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         a = _kernel_2(QL, KL, bh, M, D, scale, BLOCK, BLOCK_D, OUTER, IS_F64)
-        div = _batch_max(STAT, NBH, BLOCK_S, CHUNKS)
-        share = _batch_sum(DDIV, NBH, BLOCK_S, CHUNKS) / _batch_sum(NTIE, NBH, BLOCK_S, CHUNKS)
+        div = _group_max(STAT, bh, NBH, GROUP, BLOCK_S, CHUNKS)
+        share = (_group_sum(DDIV, bh, NBH, GROUP, BLOCK_S, CHUNKS)
+                 / _group_sum(NTIE, bh, NBH, GROUP, BLOCK_S, CHUNKS))
         colsum = tl.load(COLS + bh.to(tl.int64) * M + r, mask=r < M, other=float("-inf"))
         da = tl.load(DA + bh.to(tl.int64) * BLOCK * BLOCK + r[:, None] * BLOCK + r[None, :])
         da += tl.where(colsum == div, share, 0.0)[None, :]                # d(max)/d(column sum), every row
@@ -907,13 +921,19 @@ def _core_warps(m: int, d: int) -> int:
     return CORE_WARPS if _block(m) == 64 and _block(d) > 16 else 4
 
 
-def _core_consts(q_land: torch.Tensor, precision: str) -> dict:
+def init_group(b: int, h: int, init_rows: Optional[int]) -> int:
+    """How many (batch, head) matrices share init="original"'s max: init_rows batch rows of h heads each, or the
+    whole batch (init_rows None)."""
+    return b * h if init_rows is None or init_rows >= b else init_rows * h
+
+
+def _core_consts(q_land: torch.Tensor, precision: str, group: Optional[int] = None) -> dict:
     f64 = q_land.dtype == torch.float64
     nbh = q_land.shape[0] * q_land.shape[1]
     # PREC: the iteration's products (the pinv kernel's precision); OUTER: the products around it (Q̃K̃ᵀ, Z·W and
     # their gradients), near fp32 whatever the iteration's setting, as the PyTorch path's fp32 matmuls.
     return dict(BLOCK=_block(q_land.shape[-2]), BLOCK_D=_block(q_land.shape[-1]), BLOCK_S=CORE_BLOCK_S,
-                CHUNKS=_cdiv(nbh, CORE_BLOCK_S), PREC="ieee" if f64 else precision,
+                CHUNKS=_cdiv(min(group or nbh, nbh), CORE_BLOCK_S), PREC="ieee" if f64 else precision,
                 OUTER="ieee" if f64 else "tf32x3", IS_F64=f64)
 
 
@@ -941,24 +961,26 @@ def _kept_shape(q_land: torch.Tensor, iters: int, keep: bool, always: bool = Fal
     return (nbh, iters + 1, block, block) if keep and (always or nbh <= CORE_KEEP_MAX) and iters > 0 else (0,)
 
 
-def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, always=False, zw_dtype=None):
-    """Z·W (``has_w``; in ``zw_dtype``, default W's) or Z, and the iterates kept (``_kept_shape``)."""
+def _core_iterate(q_land, k_land, w, stat, iters, precision, has_w, keep, group, always=False, zw_dtype=None):
+    """Z·W (``has_w``; in ``zw_dtype``, default W's) or Z, and the iterates kept (``_kept_shape``); the init's max
+    over each ``group`` of matrices (``init_group``)."""
     b, h, m, d = q_land.shape
-    c = _core_consts(q_land, precision)
+    c = _core_consts(q_land, precision, group)
     out = (torch.empty(w.shape, device=w.device, dtype=zw_dtype or w.dtype) if has_w else
            torch.empty(b, h, m, m, device=stat.device, dtype=stat.dtype))
     zs = torch.empty(_kept_shape(q_land, iters, keep, always), device=stat.device, dtype=stat.dtype)
     _core_fwd_kernel[(b * h,)](q_land.contiguous(), k_land.contiguous(), w.contiguous() if has_w else out, stat, out,
-                               zs, m, d, b * h, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
+                               zs, m, d, b * h, group, d ** -0.5, ITERS=iters, HAS_W=has_w, KEEP=zs.numel() > 0,
                                num_warps=_core_warps(m, d), **c)
     return out, zs
 
 
-def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, land_dtype=None, dw_dtype=None):
+def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w, group, land_dtype=None,
+                  dw_dtype=None):
     """The core's backward: dQ̃, dK̃ (in ``land_dtype``, default the landmarks' own) and dW (None without W; in
     ``dw_dtype``, default W's). W is rounded to g's dtype, as the forward rounded it to Z·W's."""
     b, h, m, d = q_land.shape
-    c = _core_consts(q_land, precision)
+    c = _core_consts(q_land, precision, group)
     q_land, k_land = q_land.contiguous(), k_land.contiguous()
     work = stat.dtype
     block = c["BLOCK"]
@@ -970,73 +992,74 @@ def _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w,
     scratch = zs if kept else torch.empty(b * h, iters, block, block, device=g.device, dtype=work)
     g = g.contiguous() if has_w else g.to(work).contiguous()
     _core_bwd_kernel[(b * h,)](q_land, k_land, w.contiguous() if has_w else g, stat, cols, g,
-                               dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, d ** -0.5, ITERS=iters,
+                               dw if has_w else da, da, ddiv, ntie, scratch, m, d, b * h, group, d ** -0.5,
+                               ITERS=iters,
                                HAS_W=has_w, KEPT=kept, TRANSPOSED=PINV_BACKWARD_TRANSPOSED,
                                num_warps=_core_warps(m, d), **c)
     land = dict(device=q_land.device, dtype=land_dtype or q_land.dtype)
     dq_land, dk_land = torch.empty(q_land.shape, **land), torch.empty(k_land.shape, **land)
     c.pop("PREC")
     _core_softmax_bwd_kernel[(b * h,)](q_land, k_land, da, stat, cols, ddiv, ntie, dq_land, dk_land, m, d, b * h,
-                                       d ** -0.5, num_warps=_core_warps(m, d), **c)
+                                       group, d ** -0.5, num_warps=_core_warps(m, d), **c)
     return dq_land, dk_land, dw
 
 
-@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep: (w.new_empty(w.shape),
-                                                                   stat.new_empty(_kept_shape(q_land, iters, keep))))
+@_opaque(lambda q_land, k_land, w, stat, iters, precision, keep, group: (
+    w.new_empty(w.shape), stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_forward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor, iters: int,
-                  precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  precision: str, keep: bool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Z·W, and the iterates kept for the backward (``keep``: a backward will run; empty beyond CORE_KEEP_MAX
     matrices, or without keep)."""
-    return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=keep)
+    return _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=keep, group=group)
 
 
-@_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
-                                                                         k_land.new_empty(k_land.shape),
-                                                                         w.new_empty(w.shape)))
+@_opaque(lambda q_land, k_land, w, stat, cols, zs, g, iters, precision, group: (
+    q_land.new_empty(q_land.shape), k_land.new_empty(k_land.shape), w.new_empty(w.shape)))
 def _core_backward(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, stat: torch.Tensor,
                    cols: torch.Tensor, zs: torch.Tensor, g: torch.Tensor, iters: int,
-                   precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w=True)
+                   precision: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _core_reverse(q_land, k_land, w, stat, cols, zs, g, iters, precision, has_w=True, group=group)
 
 
-@_opaque(lambda q_land, k_land, stat, iters, precision, keep: (
+@_opaque(lambda q_land, k_land, stat, iters, precision, keep, group: (
     stat.new_empty(q_land.shape[:3] + q_land.shape[2:3]), stat.new_empty(_kept_shape(q_land, iters, keep))))
 def _core_pinv_forward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, iters: int,
-                       precision: str, keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False, keep=keep)
+                       precision: str, keep: bool, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _core_iterate(q_land, k_land, None, stat, iters, precision, has_w=False, keep=keep, group=group)
 
 
-@_opaque(lambda q_land, k_land, stat, cols, zs, g, iters, precision: (q_land.new_empty(q_land.shape),
-                                                                      k_land.new_empty(k_land.shape)))
+@_opaque(lambda q_land, k_land, stat, cols, zs, g, iters, precision, group: (q_land.new_empty(q_land.shape),
+                                                                             k_land.new_empty(k_land.shape)))
 def _core_pinv_backward(q_land: torch.Tensor, k_land: torch.Tensor, stat: torch.Tensor, cols: torch.Tensor,
                         zs: torch.Tensor, g: torch.Tensor, iters: int,
-                        precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _core_reverse(q_land, k_land, None, stat, cols, zs, g, iters, precision, has_w=False)[:2]
+                        precision: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _core_reverse(q_land, k_land, None, stat, cols, zs, g, iters, precision, has_w=False, group=group)[:2]
 
 
 class _LandmarkCore(torch.autograd.Function):
     """Z·W (``w`` given: landmark_core) or Z alone (``w=None``: landmark_pinv), one node either way."""
 
     @staticmethod
-    def forward(ctx, q_land, k_land, w, iters, precision, keep):
+    def forward(ctx, q_land, k_land, w, iters, precision, keep, group):
         stat, cols = _core_stats(q_land, k_land)
         if w is None:
-            out, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision, keep)
+            out, zs = _core_pinv_forward(q_land, k_land, stat, iters, precision, keep, group)
             ctx.save_for_backward(q_land, k_land, stat, cols, zs)
         else:
-            out, zs = _core_forward(q_land, k_land, w, stat, iters, precision, keep)
+            out, zs = _core_forward(q_land, k_land, w, stat, iters, precision, keep, group)
             ctx.save_for_backward(q_land, k_land, w, stat, cols, zs)
-        ctx.iters, ctx.precision, ctx.has_w = iters, precision, w is not None
+        ctx.iters, ctx.precision, ctx.has_w, ctx.group = iters, precision, w is not None, group
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         if ctx.has_w:
-            dq_land, dk_land, dw = _core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision)
+            dq_land, dk_land, dw = _core_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision, ctx.group)
         else:
-            (dq_land, dk_land), dw = _core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision), None
-        return dq_land, dk_land, dw, None, None, None
+            (dq_land, dk_land), dw = _core_pinv_backward(*ctx.saved_tensors, g, ctx.iters, ctx.precision,
+                                                         ctx.group), None
+        return dq_land, dk_land, dw, None, None, None, None
 
 
 def _backward_follows(*inputs: torch.Tensor) -> bool:
@@ -1052,24 +1075,28 @@ def _check_core(name: str, q_land: torch.Tensor):
 
 
 def landmark_core(q_land: torch.Tensor, k_land: torch.Tensor, w: torch.Tensor, iters: int,
-                  precision: str = "tf32x3") -> torch.Tensor:
+                  precision: str = "tf32x3", init_rows: Optional[int] = None) -> torch.Tensor:
     """``pinv(softmax(Q̃ K̃ᵀ / √d)) @ W`` for landmarks (b, h, m, d), m ≤ 64, with the paper's
     ``init="original"`` (Z₀ = Aᵀ / the max column sum over the whole batch) and ``iters`` steps of the
     iteration: 2 launches forward and 2 backward instead of ~30 PyTorch operators (softmax, init, the max's
     backward, casts, products). Computed in fp32 (fp64 for fp64 inputs) whatever the input dtype; ``precision`` is
     the iteration's ``input_precision`` as for ``pinv_iterate``; the products around it are near fp32 ("tf32x3").
     The result has W's dtype. Gradients as autograd's through the PyTorch composition, including torch.max's even
-    split over tied column sums (``tests/test_nystrom_fast.py``)."""
+    split over tied column sums (``tests/test_nystrom_fast.py``). ``init_rows``: the max over each group of that
+    many batch rows instead (``nystrom.iterative_pinv``)."""
     _check_core("landmark_core", q_land)
-    return _LandmarkCore.apply(q_land, k_land, w, iters, precision, _backward_follows(q_land, k_land, w))
+    return _LandmarkCore.apply(q_land, k_land, w, iters, precision, _backward_follows(q_land, k_land, w),
+                               init_group(*q_land.shape[:2], init_rows))
 
 
-def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precision: str = "tf32x3") -> torch.Tensor:
+def landmark_pinv(q_land: torch.Tensor, k_land: torch.Tensor, iters: int, precision: str = "tf32x3",
+                  init_rows: Optional[int] = None) -> torch.Tensor:
     """``pinv(softmax(Q̃ K̃ᵀ / √d))`` alone, (b, h, m, m) in fp32 (fp64 for fp64 inputs): ``landmark_core``
     without the product with W, which the caller makes. It does not need W, so it can run while pass 1 computes
     W (``nystrom_fast``'s side stream); same kernels, same launches, same numerics for Z."""
     _check_core("landmark_pinv", q_land)
-    return _LandmarkCore.apply(q_land, k_land, None, iters, precision, _backward_follows(q_land, k_land))
+    return _LandmarkCore.apply(q_land, k_land, None, iters, precision, _backward_follows(q_land, k_land),
+                               init_group(*q_land.shape[:2], init_rows))
 
 
 # ----------------------------------------------------------------------------------------------- pass 2
@@ -1525,7 +1552,7 @@ def _landmark_tensors(q, k, v, keep, key_bias, m):
     return q_land, k_land, w, lse
 
 
-def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save):
+def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save, group):
     b, h, n, d = q.shape
     acc = _acc_dtype(q.dtype)
     land = (b, h, m, d)
@@ -1538,7 +1565,7 @@ def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save
 @_opaque(_layer_forward_fake)
 def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], m: int, iters: int,
-                   precision: str, save: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                   precision: str, save: bool, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                         torch.Tensor]:
     """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype, the only
@@ -1546,7 +1573,8 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
     statistics and (``save``: for a backward that reads them) kept iterates."""
     q_land, k_land, w, lse = _landmark_tensors(q, k, v, keep, key_bias, m)
     stat, cols = _core_stats(q_land, k_land)
-    zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save, zw_dtype=q.dtype)
+    zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=save, group=group,
+                           zw_dtype=q.dtype)
     if taps is not None and CONV_IN_PASS_2:
         out = lk_forward_raw(q, keep, k_land, zw, v, taps)
     else:
@@ -1557,7 +1585,7 @@ def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torc
 
 
 def _layer_backward_fake(q, k, v, keep, key_bias, taps, stat, cols, q_land, k_land, w, lse, zw, zs, g, m, iters,
-                         precision, need_q, need_v, need_taps):
+                         precision, group, need_q, need_v, need_taps):
     dtaps = stat.new_empty(taps.shape) if taps is not None and need_taps else stat.new_empty(0)
     return (torch.empty_like(q) if need_q else q.new_empty(0), torch.empty_like(k),
             torch.empty_like(v) if need_v else v.new_empty(0), dtaps)
@@ -1568,8 +1596,8 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
                     key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], stat: torch.Tensor,
                     cols: torch.Tensor, q_land: Optional[torch.Tensor], k_land: Optional[torch.Tensor],
                     w: Optional[torch.Tensor], lse: Optional[torch.Tensor], zw: Optional[torch.Tensor],
-                    zs: Optional[torch.Tensor], g: torch.Tensor, m: int, iters: int, precision: str, need_q: bool,
-                    need_v: bool, need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    zs: Optional[torch.Tensor], g: torch.Tensor, m: int, iters: int, precision: str, group: int,
+                    need_q: bool, need_v: bool, need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in their inputs' layouts and d(taps) (h, k) in the accumulation dtype, from the output gradient g
     (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made).
     Without the landmark tensors (q_land None: ``NYSTROM_RECOMPUTE=1``) it first recomputes them as the forward
@@ -1578,13 +1606,13 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     n = q.shape[-2]
     if q_land is None:
         q_land, k_land, w, lse = _landmark_tensors(q, k, v, keep, key_bias, m)
-        zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, always=True,
-                               zw_dtype=q.dtype)
+        zw, zs = _core_iterate(q_land, k_land, w, stat, iters, precision, has_w=True, keep=True, group=group,
+                               always=True, zw_dtype=q.dtype)
     # d(ZW) in ZW's dtype, as the core's backward was timed: an fp32 one makes its bf16 kernel spill 348 B more
     # (ptxas, sm_90; 1,712 vs 1,364 B) for a gradient ~4% more accurate
     dq, dkl_pass2, dzw = lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=zw.dtype)
     dq_land, dk_land, dw = _core_reverse(q_land, k_land, w, stat, cols, zs, dzw, iters, precision,
-                                         has_w=True, land_dtype=stat.dtype, dw_dtype=q.dtype)
+                                         has_w=True, group=group, land_dtype=stat.dtype, dw_dtype=q.dtype)
     del zs  # kept iterates (recomputed ones included): not needed past the core's backward
     fuse_k = k.element_size() <= K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
     dql_parts, dk, dv = lq_backward_raw(q_land, k, v, key_bias, w, lse, dw,
@@ -1605,16 +1633,18 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
     return dq if need_q else q.new_empty(0), dk, dv if need_v else v.new_empty(0), dtaps
 
 
-def layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save=True):
+def layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save=True, init_rows=None):
     """The one-node layer's forward: (out, q_land, k_land, w, lse, zw, stat, cols, zs); ``save``: the landmark
-    tensors will be kept for the backward (False with NYSTROM_RECOMPUTE=1: the iterates are not kept either)."""
+    tensors will be kept for the backward (False with NYSTROM_RECOMPUTE=1: the iterates are not kept either);
+    ``init_rows``: the init's max over groups of that many batch rows (``nystrom.iterative_pinv``)."""
     _check()
-    return _layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save)
+    return _layer_forward(q, k, v, keep, key_bias, taps, m, iters, precision, save,
+                          init_group(*q.shape[:2], init_rows))
 
 
 def layer_backward(q, k, v, keep, key_bias, taps, stat, cols, landmarks, g, *, m, iters, precision, need_q, need_v,
-                   need_taps):
+                   need_taps, init_rows=None):
     """dq, dk, dv, dtaps; ``landmarks`` = (q_land, k_land, w, lse, zw, zs) as the forward returned them, or None
-    to recompute them here."""
+    to recompute them here; ``init_rows`` as the forward's."""
     return _layer_backward(q, k, v, keep, key_bias, taps, stat, cols, *(landmarks or (None,) * 6), g, m, iters,
-                           precision, need_q, need_v, need_taps)
+                           precision, init_group(*q.shape[:2], init_rows), need_q, need_v, need_taps)
