@@ -101,6 +101,9 @@ stage_loop() {
   # the shipped folders' micro-batch of 8 and fp32 attention: 4 micro-batches a step (one autocast region)
   limited "$python" bench/pretrain_loop.py --seq-len 512 --batch 32 --micro-batch 8 --attention-fp32 true \
     | tee "$d/loop-512-micro-8.md" | grep -A5 '^# pretraining'
+  # the same recipe in one pass of 32 rows (rows_per_pass: the Nyström init still over each micro-batch of 8)
+  limited "$python" bench/pretrain_loop.py --seq-len 512 --batch 32 --micro-batch 8 --rows-per-pass 32 \
+    --attention-fp32 true | tee "$d/loop-512-micro-8-pass-32.md" | grep -A5 '^# pretraining'
 }
 
 stage_compile() {

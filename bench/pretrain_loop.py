@@ -15,6 +15,7 @@ host-device syncs cost) and nystrom ÷ softmax for each. Model settings: nystrom
     python bench/pretrain_loop.py --seq-len 4096 --batch 4
     python bench/pretrain_loop.py --compile reduce-overhead              # both with CUDA graphs
     python bench/pretrain_loop.py --micro-batch 8 --attention-fp32 true  # the shipped micro-batch and attention
+    python bench/pretrain_loop.py --micro-batch 8 --rows-per-pass 32 --attention-fp32 true  # the same, one pass
     python bench/pretrain_loop.py --device cpu --seq-len 64 --batch 2 --layers 2 --steps 4 --warmup 1  # smoke test
 """
 from __future__ import annotations
@@ -58,7 +59,8 @@ def model_folder(root: Path, attn_type: str, args) -> Path:
                            attention_fp32=args.attention_fp32 == "true")
     config["pretraining_setting"].update(batch_size=args.batch, epoch=1, batches_per_epoch=args.steps,
                                          validate_batches_per_epoch=0, batches_per_report=1)
-    config["gpu_setting"] = {"inst_per_gpu": args.micro_batch or args.batch, "compile": args.compile}
+    config["gpu_setting"] = {"inst_per_gpu": args.micro_batch or args.batch, "rows_per_pass": args.rows_per_pass,
+                             "compile": args.compile}
     config.update(model_checkpoints="model", data_folder=str(root / "data"))
     folder = root / attn_type
     folder.mkdir()
@@ -105,6 +107,9 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=None,
                     help="the loop's inst_per_gpu (default --batch: one micro-batch a step; the shipped folders' 8 "
                          "makes a step of 32 rows 4 micro-batches); the bare step is always one micro-batch")
+    ap.add_argument("--rows-per-pass", type=int, default=None,
+                    help="the loop's rows_per_pass (default: --micro-batch): several micro-batches to a pass, the "
+                         "Nyström init still over each micro-batch")
     ap.add_argument("--attention-fp32", default="false", choices=["true", "false"],
                     help="model.attention_fp32 (false: attention in bf16, as model_speed's main rows and the "
                          "issue's SDPA baseline; nystrom-512/config.json has true)")
@@ -125,8 +130,9 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    passes = f", passes of {args.rows_per_pass}" if args.rows_per_pass else ""
     print(f"# pretraining loop vs bare step, n={args.seq_len}, batch={args.batch} (loop: micro-batches of "
-          f"{args.micro_batch or args.batch}), layers={args.layers}, "
+          f"{args.micro_batch or args.batch}{passes}), layers={args.layers}, "
           f"compile={args.compile}, attention_fp32={args.attention_fp32}, {args.steps - args.warmup} timed steps, "
           f"device={dev}, torch {torch.__version__}")
     print("| model | loop tokens/s | bare tokens/s | loop ÷ bare | loop × softmax | bare × softmax |")

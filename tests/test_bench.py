@@ -181,6 +181,10 @@ def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
     for name, loop, bare, ratio, loop_x, bare_x in rows:
         assert float(loop) > 0 and float(bare) > 0 and float(ratio) > 0
     assert rows[1][4:] == ["1.00", "1.00"]
+    grouped = run_script("bench/pretrain_loop.py", "--device", "cpu", "--seq-len", "32", "--batch", "4", "--layers",
+                         "1", "--steps", "2", "--warmup", "1", "--micro-batch", "1", "--rows-per-pass", "2")
+    title = next(line for line in grouped if line.startswith("# pretraining loop"))
+    assert "micro-batches of 1, passes of 2" in title and len(table_rows(grouped)) == 2
 
 
 def test_glue_batch_dependence_shows_fixed_padding_predictions_independent_of_the_batch(shared_dir, tmp_path):

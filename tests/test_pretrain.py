@@ -968,7 +968,7 @@ def test_every_setting_that_shapes_the_run_is_refused_on_resume_and_only_those_l
     assert RESUME_MAY_CHANGE == {
         "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
         "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
-        "gpu_setting": {"inst_per_gpu", "compile"}}
+        "gpu_setting": {"inst_per_gpu", "rows_per_pass", "compile"}}
 
 
 def test_each_epoch_reads_the_next_sequences_of_one_seeded_shuffled_order(tmp_path, data, monkeypatch):
@@ -1146,6 +1146,30 @@ def test_a_micro_batch_that_does_not_divide_the_batch_trains_every_sequence(tmp_
     assert run(divides) == 0 and run(leaves_a_remainder) == 0  # 16 = 5 + 5 + 5 + 1
     assert [loss for _, loss in losses(leaves_a_remainder)] == pytest.approx([loss for _, loss in losses(divides)],
                                                                              abs=1e-5)
+
+
+def test_passes_of_several_micro_batches_train_as_a_pass_per_micro_batch(tmp_path, data, capsys):
+    # rows_per_pass runs the recipe's micro-batches (inst_per_gpu) several to a pass; Nyström's "original" init still
+    # takes its max over each micro-batch, so the weights are those of a pass per micro-batch to rounding — and not
+    # those of micro-batches of rows_per_pass, which the recipe would change.
+    settings = dict(model={"dropout_prob": 0.0}, pretraining_setting={"epoch": 1, "validate_batches_per_epoch": 1})
+    runs = {name: model_dir(tmp_path, name, **settings, gpu_setting=gpu) for name, gpu in (
+        ("per-micro-batch", {"inst_per_gpu": 2}), ("grouped", {"inst_per_gpu": 2, "rows_per_pass": 8}),
+        ("micro-batch-8", {"inst_per_gpu": 8}))}
+    weights = {}
+    for name, folder in runs.items():
+        capsys.readouterr()
+        assert run(folder) == 0
+        weights[name] = torch.load(folder / "model" / "cp-0000.model", weights_only=True)["model_state_dict"]
+        if name == "grouped":
+            assert "passes of 8 rows (micro-batches of 2 each) x 2 a step" in capsys.readouterr().out
+
+    def distance(a, b):
+        return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+    assert distance(weights["grouped"], weights["per-micro-batch"]) < 1e-5
+    assert distance(weights["micro-batch-8"], weights["per-micro-batch"]) > 1e-4
+    dev = {name: losses(folder, "dev")[0][1] for name, folder in runs.items()}
+    assert dev["grouped"] == pytest.approx(dev["per-micro-batch"], rel=1e-6)
 
 
 def test_a_first_ctrl_c_asks_to_stop_a_second_stops_at_once_and_the_handlers_are_restored_after():

@@ -198,14 +198,26 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 
 @dataclass
 class GpuConfig:
-    # Most sequences one device processes per micro-step; gradient accumulation makes up batch_size.
+    # Most sequences one device processes per micro-step; gradient accumulation makes up batch_size. For Nyström
+    # with the "original" init, part of the recipe: the init's max is over each micro-batch.
     inst_per_gpu: int = 32
+    # Rows one forward/backward pass runs (default: inst_per_gpu), a multiple of inst_per_gpu: the Nyström init's
+    # max is still taken over each inst_per_gpu rows, so the same recipe runs in fewer, larger passes.
+    rows_per_pass: Optional[int] = None
     # torch.compile the encoder: "none", or a torch.compile mode ("reduce-overhead" = CUDA graphs, against the
     # host-bound launch rate of the Nyström layers; docs/performance.md). Off until a GPU run has timed it.
     compile: str = "none"
 
+    @property
+    def pass_rows(self) -> int:
+        return self.rows_per_pass or self.inst_per_gpu
+
     def validate(self, prefix: str = "gpu_setting") -> None:
         _check(self.inst_per_gpu >= 1, f"{prefix}.inst_per_gpu", f"must be >= 1, got {self.inst_per_gpu}")
+        if self.rows_per_pass is not None:
+            _check(self.rows_per_pass >= 1 and self.rows_per_pass % self.inst_per_gpu == 0,
+                   f"{prefix}.rows_per_pass", f"must be a multiple of inst_per_gpu ({self.inst_per_gpu}), or null "
+                   f"for inst_per_gpu itself; got {self.rows_per_pass}")
         _check(self.compile in COMPILE_MODES, f"{prefix}.compile",
                f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 

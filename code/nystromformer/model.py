@@ -139,6 +139,17 @@ def fixed_weights(model: nn.Module):
             layer._fixed = before
 
 
+def set_batch_groups(model: nn.Module, rows: Optional[int]) -> None:
+    """Take the batch-wide statistics of ``model``'s attention (Nyström's ``"original"`` pseudo-inverse init: a max
+    over the batch) over each group of ``rows`` consecutive rows of a pass instead (None: the whole pass). With
+    ``rows`` = the recipe's micro-batch, a pass over several micro-batches' rows then computes what a pass per
+    micro-batch would, in fewer, larger passes (``gpu_setting.rows_per_pass``). Variants without such a statistic
+    have no ``init_rows`` and are left alone."""
+    for module in model.modules():
+        if hasattr(module, "init_rows"):
+            module.init_rows = rows
+
+
 def activation(cfg: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """``model.hidden_act``: the tanh approximation of GELU (the authors') or the exact erf GELU."""
     return functools.partial(F.gelu, approximate="tanh" if cfg.hidden_act == "gelu_tanh" else "none")

@@ -36,7 +36,7 @@ from .errors import UserError
 from .jsonlog import JsonLog
 from .mlm import (DEV_EVAL_VERSION, STREAM_DROPOUT, STREAM_MASK, SampleOrder, accuracy_note, derived_seed,
                   evaluate_fp16_safe, generator, mask_tokens, micro_batches, padding_mask, to_device)
-from .model import IGNORE_INDEX, NystromformerForMaskedLM, fixed_weights, masked_positions_of
+from .model import IGNORE_INDEX, NystromformerForMaskedLM, fixed_weights, masked_positions_of, set_batch_groups
 from .resume import (check_data, check_from_cp_location, check_resumable_config, check_resumable_data,
                      check_same_step_on_every_rank, data_fingerprint, dev_point_missing, refuse_to_overwrite_history,
                      rng_state, set_rng_state)
@@ -244,13 +244,16 @@ class PretrainRun:
 
         torch.manual_seed(ps.seed)  # the same initial weights on every rank
         self.model = NystromformerForMaskedLM(cfg.model).to(rt.device)
+        # The recipe's micro-batch is inst_per_gpu rows (Nyström's init takes its max over each); a pass may run
+        # several of them (rows_per_pass).
+        set_batch_groups(self.model, cfg.gpu_setting.inst_per_gpu)
         self.ddp_model = self.model  # wrapped by train() under DDP
         self.optimizer = build_optimizer(self.model, cfg, rt.device)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler(rt.device.type, enabled=rt.autocast_dtype == torch.float16)
         self.total_steps = ps.epoch * ps.batches_per_epoch
         self.per_rank = ps.batch_size // rt.world_size
-        self.micro = min(cfg.gpu_setting.inst_per_gpu, self.per_rank)
+        self.micro = min(cfg.gpu_setting.pass_rows, self.per_rank)
         self.nonfinite = NonFiniteLosses(self.scaler.is_enabled(), self.ckpt_dir, ps.batches_per_epoch)
         self.order = SampleOrder(len(self.train_data), ps.seed)
         self.step = 0
@@ -456,10 +459,12 @@ class PretrainRun:
         rt = self.rt
         self._prepare_model()
         parameters = sum(p.numel() for p in self.model.parameters())
+        recipe = self.cfg.gpu_setting.inst_per_gpu
+        groups = f" (micro-batches of {recipe} each)" if self.micro > recipe else ""
         self.say(f"pretraining {self.cfg.model.attn_type} model: {parameters:,} parameters, "
                  f"{len(self.train_data):,} training sequences of {self.train_data.seq_len} tokens, "
-                 f"{rt.world_size} process(es) on {rt.device.type}, micro-batch {self.micro} x "
-                 f"{-(-self.per_rank // self.micro)} accumulation step(s), precision "
+                 f"{rt.world_size} process(es) on {rt.device.type}, passes of {self.micro} rows{groups} x "
+                 f"{-(-self.per_rank // self.micro)} a step, precision "
                  f"{rt.autocast_dtype or torch.float32}{self._attention_note()}")
         self.model.train()
         while self.step < self.total_steps:

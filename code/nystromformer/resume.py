@@ -39,11 +39,12 @@ def set_rng_state(state: dict) -> None:
 
 
 # Keys that may change between a run and its resumption: they do not change what is computed (inst_per_gpu: for
-# Nyström slightly, through the pinv init's batch-wide scale; allowed so that a run can move to a smaller GPU).
+# Nyström slightly, through the pinv init's batch-wide scale; allowed so that a run can move to a smaller GPU;
+# rows_per_pass: not even that, the init's max stays over each inst_per_gpu rows).
 RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
-    "gpu_setting": {"inst_per_gpu", "compile"},
+    "gpu_setting": {"inst_per_gpu", "rows_per_pass", "compile"},
 }
 
 

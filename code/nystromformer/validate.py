@@ -18,7 +18,7 @@ from .cli import add_subcommand, say, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
 from .mlm import DEV_EVAL_VERSION, accuracy_note, evaluate_fp16_safe
-from .model import NystromformerForMaskedLM
+from .model import NystromformerForMaskedLM, set_batch_groups
 from .resume import check_data, config_differences
 from .runtime import setup_runtime
 from .shards import ShardedSequences
@@ -72,6 +72,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
     atomic.check_writable_folder(cfg.checkpoint_dir, LOG_NAME)
     results, diverged = [], []
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
+    set_batch_groups(model, cfg.gpu_setting.inst_per_gpu)  # the dev evaluation pretraining runs
     for epoch in epochs:
         path = checkpoint.find_model(cfg.checkpoint_dir, epoch)
         state = checkpoint.load(path, map_location=rt.device)
@@ -82,7 +83,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
                               f"the value to validate this checkpoint")
         model.load_state_dict(state["model_state_dict"])
         t0 = time.perf_counter()
-        metrics, redone = evaluate_fp16_safe(model, dev, num_sequences, cfg.gpu_setting.inst_per_gpu, ps.seed,
+        metrics, redone = evaluate_fp16_safe(model, dev, num_sequences, cfg.gpu_setting.pass_rows, ps.seed,
                                              ps.mask_prob, rt.device, rt.autocast_dtype)
         if not math.isfinite(metrics["loss"]):
             print(f"{path.name}: dev loss {metrics['loss']}: its weights diverged (not logged)")
