@@ -1320,21 +1320,23 @@ def test_interp_landmark_core_splits_the_batch_max_gradient_over_ties_as_torch_m
 
 @needs_interpreter
 @pytest.mark.parametrize("uniform", [False, True])
-def test_interp_landmark_core_takes_the_max_over_each_group_of_rows(uniform, pinv_backward_transposed):
-    # 20 rows × 15 heads = 300 matrices (over CORE_BLOCK_S: each group's maxes read in chunks), in groups of 9 rows
-    # (135 matrices; the last group 2 rows). Each group's largest column sum sits in a different place, the last
-    # one's in its last matrix; uniform: every column sum of every matrix ties, so each group splits the max's
-    # gradient over its own ties only (over the batch's, the gradients would be 135/300 as large).
+def test_interp_landmark_core_takes_the_max_over_each_group_of_rows(uniform, pinv_backward_transposed, monkeypatch):
+    # 5 rows × 3 heads = 15 matrices in groups of 2 rows (6 matrices; the last group 1 row), each group's maxima read
+    # in chunks of 4 (CORE_BLOCK_S made small, so that few matrices span several chunks). Each group's largest
+    # column sum sits in a different place, the last one's in its last matrix; uniform: every column sum of every
+    # matrix ties, so each group splits the max's gradient over its own ties only (over the batch's, the
+    # gradients would be 6/15 as large).
     from nystromformer.attention import nystrom_triton
+    monkeypatch.setattr(nystrom_triton, "CORE_BLOCK_S", 4)
     g = torch.Generator().manual_seed(9)
-    q_land, k_land, w = (torch.randn(20, 15, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    q_land, k_land, w = (torch.randn(5, 3, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
     if uniform:
         q_land.zero_()
     else:
-        for row, head in ((0, 3), (10, 14), (19, 14)):
+        for row, head in ((0, 1), (3, 2), (4, 2)):
             q_land[row, head] *= 8
     params = [t.requires_grad_() for t in (q_land, k_land, w)]
-    for rows in (9, 20, None):
+    for rows in (2, 5, None):
         out, ref = nystrom_triton.landmark_core(*params, 6, init_rows=rows), _landmark_middle(*params, 6, rows)
         assert rel(out, ref) < FP64_TOL
         gout = torch.randn(ref.shape, generator=g, dtype=torch.float64)
@@ -1343,7 +1345,7 @@ def test_interp_landmark_core_takes_the_max_over_each_group_of_rows(uniform, pin
         z = nystrom_triton.landmark_pinv(*params[:2], 6, init_rows=rows)
         assert rel(nystrom_fast.times_w(z, w), ref) < FP64_TOL
     if not uniform:  # the groups' maxes differ from the batch's: the test would see a core ignoring init_rows
-        assert rel(_landmark_middle(*params, 6, 9), _landmark_middle(*params, 6)) > 1e-3
+        assert rel(_landmark_middle(*params, 6, 2), _landmark_middle(*params, 6)) > 1e-3
 
 
 def test_triton_is_not_chosen_for_head_dims_its_tiles_do_not_fit(monkeypatch):
