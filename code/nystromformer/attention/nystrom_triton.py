@@ -282,10 +282,11 @@ if triton is not None:
     # --- the landmark core: ZW = pinv(softmax(Q̃ K̃ᵀ · scale)) · W, one program per (batch, head) matrix -------
     # init="original" scales Z₀ by the max column sum over the *whole batch* (or over each group of GROUP matrices:
     # init_rows), a global reduction between the softmax and the iteration; so: _core_stats_kernel (softmax, column
-    # sums) → _core_fwd_kernel (each program reads its group's maxes, ≤ b·h floats, then iterates in registers). Backward: _core_bwd_kernel (ZW and pinv
-    # backward, each matrix's share of the max's gradient) → _core_softmax_bwd_kernel (the max's gradient, split
-    # evenly over tied column sums as torch.max's backward does, then softmax and Q̃K̃ᵀ backward). The m × m
-    # softmax is recomputed rather than stored: one 64×64×64 product.
+    # sums) → _core_fwd_kernel (each program reads its group's maxes, ≤ b·h floats, then iterates in registers).
+    # Backward: _core_bwd_kernel (ZW and pinv backward, each matrix's share of the max's gradient) →
+    # _core_softmax_bwd_kernel (the max's gradient, split evenly over the group's tied column sums as torch.max's
+    # backward does, then softmax and Q̃K̃ᵀ backward). The m × m softmax is recomputed rather than stored: one
+    # 64×64×64 product.
     @triton.jit
     def _to_work(x, IS_F64: tl.constexpr):
         if IS_F64:
