@@ -114,6 +114,9 @@ def main(argv=None):
                     help="model.attention_fp32 (false: attention in bf16, as model_speed's main rows and the "
                          "issue's SDPA baseline; nystrom-512/config.json has true)")
     args = ap.parse_args(argv)
+    if args.rows_per_pass and args.rows_per_pass % (args.micro_batch or args.batch):
+        ap.error(f"--rows-per-pass {args.rows_per_pass} must be a multiple of --micro-batch "
+                 f"({args.micro_batch or args.batch}: the default is --batch)")
     device = torch.device(args.device)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="pretrain-loop-") as tmp:

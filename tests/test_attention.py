@@ -84,11 +84,13 @@ def test_exact_init_is_per_matrix_while_original_init_depends_on_batch_mates():
     assert not torch.allclose(iterative_pinv(batch, 2, "original")[0], iterative_pinv(flat, 2, "original"))
 
 
+@pytest.mark.parametrize("impl", ["reference", "fast"])  # "fast": on the CPU, the GPU path's PyTorch ops
 @pytest.mark.parametrize("conv", [None, 5])
-def test_original_init_over_groups_of_rows_is_one_pass_per_group(conv):
+def test_original_init_over_groups_of_rows_is_one_pass_per_group(conv, impl):
     # init_rows: what pretraining sets (inst_per_gpu), so that one pass over several micro-batches' rows computes
     # what a pass per micro-batch computes, the pseudo-inverse's batch max included. 5 rows in groups of 2.
     att = build_attention(config(num_landmarks=8, conv_kernel_size=conv)).double()
+    att.impl = impl
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(5, H, 40, D, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
     mask = torch.ones(5, 40, dtype=torch.float64)
@@ -105,6 +107,24 @@ def test_original_init_over_groups_of_rows_is_one_pass_per_group(conv):
     assert relative_error(whole_batch, per_group) > 1e-6   # the whole batch's max: other outputs
     att.init_rows = 5   # a group as large as the batch is the batch
     assert torch.equal(att(q, k, v, mask), whole_batch)
+
+
+def test_original_init_over_groups_splits_a_groups_max_gradient_evenly_over_its_tied_column_sums():
+    # In the group of rows 0-1, matrix 0 has two columns at the max and matrix 1 one: each of the three gets a
+    # third, as torch.max over that group alone gives (a max per matrix, then per group, would give 1/4, 1/4, 1/2).
+    from nystromformer.attention.nystrom import pinv_init
+    a = torch.full((3, 1, 3, 3), 0.1, dtype=torch.float64)
+    a[0, 0, :, :2] = 0.5     # column sums 1.5, 1.5, 0.3
+    a[1, 0, :, 0] = 0.5      # 1.5, 0.3, 0.3
+    a[2, 0, :, 1] = 0.2      # the second group, alone
+    a.requires_grad_()
+    grouped = pinv_init(a, "original", init_rows=2)
+    per_group = torch.cat([pinv_init(a[:2], "original"), pinv_init(a[2:], "original")])
+    gout = torch.randn(a.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (da,), (db,) = torch.autograd.grad(grouped, a, gout), torch.autograd.grad(per_group, a, gout)
+    assert torch.allclose(da, db, rtol=1e-14, atol=1e-15)
+    with pytest.raises(ValueError, match="init_rows: must be >= 1"):
+        pinv_init(a, "original", init_rows=0)
 
 
 def test_original_init_over_groups_splits_the_max_gradient_over_each_groups_ties():

@@ -32,9 +32,9 @@ def with_change(section, key, value):
     ("model", "dropout_prob", 1.5, "model.dropout_prob: must be in [0, 1)"),
     ("pretraining_setting", "warmup", 0, "pretraining_setting.warmup"),
     ("gpu_setting", "inst_per_gpu", 0, "gpu_setting.inst_per_gpu: must be >= 1"),
-    ("gpu_setting", "rows_per_pass", 12, "gpu_setting.rows_per_pass: must be a multiple of inst_per_gpu (8), or null "
-                                         "for inst_per_gpu itself; got 12"),
-    ("gpu_setting", "rows_per_pass", 0, "gpu_setting.rows_per_pass: must be a multiple of inst_per_gpu (8)"),
+    ("gpu_setting", "rows_per_pass", 12, "gpu_setting.rows_per_pass: must be a positive multiple of inst_per_gpu (8), "
+                                         "or null for inst_per_gpu itself; got 12"),
+    ("gpu_setting", "rows_per_pass", -8, "gpu_setting.rows_per_pass: must be a positive multiple of inst_per_gpu"),
     ("gpu_setting", "compile", "fast", "gpu_setting.compile: must be one of none, default, reduce-overhead"),
     (None, "data_dir", "x", "data_dir: unknown key"),
     (None, "model", [1, 2], "model: expected an object"),

@@ -395,11 +395,16 @@ def test_interp_whole_fast_path_with_triton(n, m, conv, init, pad):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("init_rows,overlap", [(2, False), (1, False), (4, False), (2, True)])
-def test_interp_init_over_groups_of_rows_with_triton(init_rows, overlap, monkeypatch):
+@pytest.mark.parametrize("init_rows,overlap,recompute", [(2, False, False), (1, False, False), (4, False, False),
+                                                         (2, True, False), (2, False, True)])
+def test_interp_init_over_groups_of_rows_with_triton(init_rows, overlap, recompute, monkeypatch):
     # =1: pinv_init's groups before the pinv kernel; =all: the core's kernels read each group's max (and in
-    # training the one-node layer's), also in the split form of NYSTROM_OVERLAP=1
+    # training the one-node layer's, also when its backward recomputes the forward: NYSTROM_RECOMPUTE=1), also in
+    # the split form of NYSTROM_OVERLAP=1
+    if recompute and nystrom_fast.triton_mode() != "all":
+        pytest.skip("NYSTROM_RECOMPUTE=1 is a setting of NYSTROM_TRITON=all")
     monkeypatch.setenv("NYSTROM_OVERLAP", "1" if overlap else "0")
+    monkeypatch.setenv("NYSTROM_RECOMPUTE", "1" if recompute else "0")
     att = layer(8, 5)
     att.init_rows = init_rows
     qkv, mask = inputs(5, 67, pad=(3, 20, 0, 9, 0), seed=init_rows)

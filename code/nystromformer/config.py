@@ -216,8 +216,8 @@ class GpuConfig:
         _check(self.inst_per_gpu >= 1, f"{prefix}.inst_per_gpu", f"must be >= 1, got {self.inst_per_gpu}")
         if self.rows_per_pass is not None:
             _check(self.rows_per_pass >= 1 and self.rows_per_pass % self.inst_per_gpu == 0,
-                   f"{prefix}.rows_per_pass", f"must be a multiple of inst_per_gpu ({self.inst_per_gpu}), or null "
-                   f"for inst_per_gpu itself; got {self.rows_per_pass}")
+                   f"{prefix}.rows_per_pass", f"must be a positive multiple of inst_per_gpu ({self.inst_per_gpu}), "
+                   f"or null for inst_per_gpu itself; got {self.rows_per_pass}")
         _check(self.compile in COMPILE_MODES, f"{prefix}.compile",
                f"must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
 

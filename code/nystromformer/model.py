@@ -145,6 +145,8 @@ def set_batch_groups(model: nn.Module, rows: Optional[int]) -> None:
     ``rows`` = the recipe's micro-batch, a pass over several micro-batches' rows then computes what a pass per
     micro-batch would, in fewer, larger passes (``gpu_setting.rows_per_pass``). Variants without such a statistic
     have no ``init_rows`` and are left alone."""
+    if rows is not None and rows < 1:
+        raise ValueError(f"batch groups: rows must be >= 1 (or None for the whole pass), got {rows}")
     for module in model.modules():
         if hasattr(module, "init_rows"):
             module.init_rows = rows

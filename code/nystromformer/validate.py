@@ -72,7 +72,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
     atomic.check_writable_folder(cfg.checkpoint_dir, LOG_NAME)
     results, diverged = [], []
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
-    set_batch_groups(model, cfg.gpu_setting.inst_per_gpu)  # the dev evaluation pretraining runs
+    set_batch_groups(model, cfg.gpu_setting.inst_per_gpu)  # the init per micro-batch, as in pretraining
     for epoch in epochs:
         path = checkpoint.find_model(cfg.checkpoint_dir, epoch)
         state = checkpoint.load(path, map_location=rt.device)

@@ -55,6 +55,8 @@ def pinv_init(a: torch.Tensor, init: str = "original", init_rows: Optional[int] 
     if init == "original":
         col_sums = torch.sum(a, dim=-2)
         rows = a.shape[0]
+        if init_rows is not None and init_rows < 1:
+            raise ValueError(f"init_rows: must be >= 1 (or None for the whole batch), got {init_rows}")
         if init_rows is None or init_rows >= rows:
             return a.transpose(-1, -2) / torch.max(col_sums)
         # The max over each group of init_rows batch rows, as if each group were its own batch (the last may be
@@ -125,7 +127,7 @@ class NystromAttention(nn.Module):
         self.impl = "auto"  # see use_fast_path; NYSTROM_IMPL overrides it
         # init="original": the batch max over groups of this many rows (None: the whole batch). A run setting,
         # not a weight: pretraining sets it to inst_per_gpu so that a pass of several micro-batches' rows
-        # computes what one pass per micro-batch would (model.init_groups).
+        # computes what one pass per micro-batch would (model.set_batch_groups).
         self.init_rows: Optional[int] = None
         self.conv = None
         if config.conv_kernel_size is not None:

@@ -17,8 +17,8 @@ Equalities with the reference (checked in float64 by ``tests/test_nystrom_fast.p
   bias (the most negative finite number, so an all-padding row stays finite and uniform); the conv reads V·mask;
 * ``(kernel_1 @ Z) @ (kernel_3 @ V)`` is evaluated as ``kernel_1 @ (Z @ (kernel_3 @ V))`` — associativity, so
   only rounding differs;
-* the pseudo-inverse uses ``nystrom.pinv_init`` (for ``init="original"``: the max over the *whole batch*, a global
-  reduction before the per-matrix iteration) and then the same iteration
+* the pseudo-inverse uses ``nystrom.pinv_init`` (for ``init="original"``: the max over the *whole batch*, or over
+  each group of ``init_rows`` rows, a reduction before the per-matrix iteration) and then the same iteration
   ``Z ← ¼ Z (13I − AZ(15I − AZ(7I − AZ)))`` written as four fused batched products per step
   (``P = AZ``; ``U = 7P − P·P``; ``W = 15P − P·U``; ``Z ← 13/4 Z − ¼ Z·W``), again only rounding differs;
 * when ``num_landmarks >= n`` it is exact masked softmax attention, as in the reference.

@@ -925,6 +925,8 @@ def _core_warps(m: int, d: int) -> int:
 def init_group(b: int, h: int, init_rows: Optional[int]) -> int:
     """How many (batch, head) matrices share init="original"'s max: init_rows batch rows of h heads each, or the
     whole batch (init_rows None)."""
+    if init_rows is not None and init_rows < 1:
+        raise ValueError(f"init_rows: must be >= 1 (or None for the whole batch), got {init_rows}")
     return b * h if init_rows is None or init_rows >= b else init_rows * h
 
 
@@ -1566,9 +1568,9 @@ def _layer_forward_fake(q, k, v, keep, key_bias, taps, m, iters, precision, save
 @_opaque(_layer_forward_fake)
 def _layer_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
                    key_bias: Optional[torch.Tensor], taps: Optional[torch.Tensor], m: int, iters: int,
-                   precision: str, save: bool, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                        torch.Tensor]:
+                   precision: str, save: bool,
+                   group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output (in q's layout) and what its backward reads: Q̃, K̃, W (accumulation dtype, the only
     copy: the core rounds it to Z·W's dtype, the inputs', itself), pass 1's log-sum-exp, Z·W, the core's batch
     statistics and (``save``: for a backward that reads them) kept iterates."""
@@ -1598,7 +1600,8 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
                     cols: torch.Tensor, q_land: Optional[torch.Tensor], k_land: Optional[torch.Tensor],
                     w: Optional[torch.Tensor], lse: Optional[torch.Tensor], zw: Optional[torch.Tensor],
                     zs: Optional[torch.Tensor], g: torch.Tensor, m: int, iters: int, precision: str, group: int,
-                    need_q: bool, need_v: bool, need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    need_q: bool, need_v: bool,
+                    need_taps: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV in their inputs' layouts and d(taps) (h, k) in the accumulation dtype, from the output gradient g
     (any strides); an empty tensor for a gradient not asked for (dK is a by-product of dQ̃ and always made).
     Without the landmark tensors (q_land None: ``NYSTROM_RECOMPUTE=1``) it first recomputes them as the forward
