@@ -182,11 +182,16 @@ def test_compiled_encoder_trains_as_the_eager_one_and_saves_the_same_checkpoint_
     # thread: no pool of compile workers left running beside the later tests on a 2-core machine.
     import torch._inductor.config
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    from torch._dynamo.utils import counters
     runs = {}
     for mode in ("none", "default"):
         folder = model_dir(tmp_path, mode, model={"dropout_prob": 0.0}, pretraining_setting={"epoch": 1},
                            gpu_setting={"inst_per_gpu": 8, "compile": mode})
+        counters.clear()
         assert run(folder) == 0
+        # Compiled once for training and once for evaluation (no_grad), not again every step: a recompilation
+        # per step (a guard on something that changes) would be invisible in the losses and ruin CUDA graphs.
+        assert counters["stats"]["unique_graphs"] == (2 if mode != "none" else 0), dict(counters["stats"])
         state = checkpoint.load(folder / "model" / "cp-0000.model")
         runs[mode] = losses(folder), losses(folder, "dev"), sorted(state["model_state_dict"])
     (eager, eager_dev, eager_keys), (compiled, compiled_dev, compiled_keys) = runs["none"], runs["default"]

@@ -60,6 +60,7 @@ SHARED_MEMORY_NEEDED = {2: 163840, 4: 197632, 8: 197632}
 MIN_TRITON = (3, 6)
 
 
+@torch.compiler.assume_constant_result  # as fits_device: not traced (dynamo warns about the lru_cache inside)
 def available() -> bool:
     return triton is not None and _recent_enough(triton.__version__)
 
