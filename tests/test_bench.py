@@ -220,3 +220,24 @@ def test_launch_count_per_step_layer_is_the_attention_core_plus_what_every_atten
         assert layer > core > 0
         rest.append(layer - core)
     assert rest[0] == rest[1], rest
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_bytes_moved_counts_each_kernels_loads_and_stores_in_tensors_of_q():
+    # Under the interpreter every masked load and store of the one-node layer's kernels is counted: the segment
+    # means read q and k once (+ the keep vector, 1/64 of a tensor at head_dim 64) and write Q̃, K̃ (2·m/n
+    # tensors); pass 2 writes its output once; a kernel never requests less than it touches.
+    lines = run_script("bench/bytes_moved.py", "--lengths", "256")
+    rows = {(r[0], r[1]): r for r in table_rows(lines) if not r[0].startswith("**")}
+    cells = {key: [float(x) for part in (r[3], r[4]) for x in part.split(" / ")] for key, r in rows.items()}
+    assert cells[("_segmeans_kernel", "forward")] == pytest.approx([2 + 1 / 64, 2 + 1 / 64, 0.5, 0.5], abs=0.005)
+    assert cells[("_lk_fwd_kernel", "forward")][2:] == [1.0, 1.0]
+    # The input gradient's conv reads g in overlapping windows (requested ~1.5×) but touches it once, and dv once
+    # (it adds into it in place): unique is per launch, across programs and loop steps.
+    read_unique, read_requested = cells[("_dwconv_kernel", "backward")][:2]
+    assert read_unique == pytest.approx(2 + 1 / 64, abs=0.005) and read_requested > read_unique + 0.5
+    for read_unique, read_requested, written_unique, written_requested in cells.values():
+        assert read_requested >= read_unique and written_requested >= written_unique
+    total = next(r for r in table_rows(lines) if r[0] == "**total**")
+    assert float(total[4].split(" / ")[0]) >= 4  # o, dq, dk, dv at least once
+    assert any(line.startswith("read + written:") and "× the floor's 9" in line for line in lines)

@@ -315,7 +315,7 @@ def test_triton_kernels_under_interpreter():
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", NYSTROM_TRITON=mode)
         env.pop("NYSTROM_IMPL", None)
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
-                               str(Path(__file__))], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+                               str(Path(__file__))], cwd=repo, env=env, capture_output=True, text=True, timeout=480)
         assert proc.returncode == 0, mode + proc.stdout[-6000:] + proc.stderr[-3000:]
         assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
 
