@@ -15,6 +15,8 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
                  stream beside pass 1, forward and backward
   fast-triton-all-conv-apart  (only when named in --impls) fast-triton-all with the conv added by its own kernel
                  after pass 2, as timed on 2026-11-23, instead of inside pass 2's forward
+  fast-triton-all-conv-bwd-apart  (only when named in --impls) fast-triton-all with the conv's input and weight
+                 gradients from two kernels, as timed on 2026-11-23, instead of one pass (bf16)
   fast-triton-all-recompute  (only when named in --impls) fast-triton-all with NYSTROM_RECOMPUTE=1: the backward
                  recomputes the landmark-sized tensors instead of reading them (memory for time)
 
@@ -49,7 +51,7 @@ from nystromformer.config import ModelConfig  # noqa: E402
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
 # Not run by default: for comparisons of one change (--impls ... fast-triton-all-conv-apart)
-EXTRA_IMPLS = ["fast-triton-all-conv-apart", "fast-triton-all-recompute"]
+EXTRA_IMPLS = ["fast-triton-all-conv-apart", "fast-triton-all-conv-bwd-apart", "fast-triton-all-recompute"]
 
 
 def with_env(env, fn):
@@ -99,6 +101,9 @@ def make_impl(name, layer):
         if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
             from nystromformer.attention import nystrom_triton  # imported when used, as nystrom_fast does
             fn = with_attr(nystrom_triton, "CONV_IN_PASS_2", False, fn)
+        if name.endswith("-conv-bwd-apart"):  # the conv's two gradients by two kernels, as before one pass
+            from nystromformer.attention import nystrom_triton
+            fn = with_attr(nystrom_triton, "CONV_BACKWARD_ONE_PASS_MAX_BYTES", 0, fn)
         return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 

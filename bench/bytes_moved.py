@@ -1,8 +1,9 @@
 """Bytes each Triton kernel of the Nyström layer reads and writes, forward + backward: how far the layer's memory
 traffic is from issue #6's bandwidth floor, counted on the CPU.
 
-Issue #6's floor is reading q, k, v, o, dO and writing o, dq, dk, dv once: 9 "tensors" of b·h·n·d elements. The
-H100 timed the `NYSTROM_TRITON=all` layer at 7.1–8.6× that floor's time (docs/performance.md). Is the rest extra
+Issue #6's floor is reading q, k, v, o, dO and writing o, dq, dk, dv once: 9 "tensors" of b·h·n·d elements;
+`bench/attention_speed.py`'s "x floor" counts 12 (the backward reads q, k, v again), and by it the H100 timed the
+`NYSTROM_TRITON=all` layer at 7.1–8.6× the floor's time (docs/performance.md). Is the rest extra
 bytes (passes over the n-long tensors that fusion could remove) or kernels below the copy bandwidth (launch
 settings)? This runs one forward + backward of the one-node layer under Triton's interpreter and adds up, per
 kernel launch, the elements every load and store touches (masked-off lanes excluded):
@@ -12,8 +13,9 @@ kernel launch, the elements every load and store touches (masked-off lanes exclu
 * requested bytes: every load and store as issued — the traffic if none hit, an upper bound.
 
 Both in units of one input tensor (b·h·n·d elements of q's dtype). The landmark-sized kernels (the core, the m × m
-statistics) move next to nothing at long n; their share shows at n = 512. Not counted: PyTorch's own operators in
-this path (2 sums of per-program partials without padding; landmark-sized), the model's projections.
+statistics) move next to nothing at long n; their share shows at n = 512. PyTorch's own operators in this path
+(without padding, 2 sums of per-program partials, which grow with n) are rows too, each input read once and each
+output written once (``aten.``…). Not counted: the model's projections around the layer.
 
     python bench/bytes_moved.py                         # n = 512 and 4096, bf16, no padding
     python bench/bytes_moved.py --dtype fp32 --pad      # fp32 attention (the shipped configs), padded rows
@@ -36,9 +38,14 @@ sys.path.insert(0, str(ROOT / "code"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+MOVES_NOTHING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+                 "_unsafe_view", "detach"}  # allocations, metadata, views dispatch does not mark as such
 FLOOR_TENSORS = 9  # read q, k, v, o, dO; write o, dq, dk, dv (issue #6)
+# bench/attention_speed.py's "x floor" (the figures in docs/performance.md): q, k, v read again by the backward
+BENCH_FLOOR_TENSORS = 12
 
 
 class Traffic:
@@ -85,6 +92,25 @@ class Traffic:
         interpreter.InterpreterBuilder.create_masked_load = counted_load
         interpreter.InterpreterBuilder.create_masked_store = counted_store
 
+    def aten_mode(self):
+        """A dispatch mode that records each PyTorch operator outside the kernels as a launch: its tensor inputs read,
+        its outputs written, once (allocations and views move nothing)."""
+        traffic = self
+
+        def tensors(tree):
+            return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if traffic.current is None and not (func.is_view or name in MOVES_NOTHING):
+                    read = sum(t.numel() * t.element_size() for t in tensors((args, kwargs)))
+                    written = sum(t.numel() * t.element_size() for t in tensors(out))
+                    traffic.launches.append([f"aten.{name}", traffic.phase, {}, {"read": read, "write": written}])
+                return out
+        return Record()
+
     def table(self, unit: int):
         """Rows (kernel, phase, launches, unique read, requested read, unique write, requested write), in units."""
         rows = {}
@@ -92,6 +118,10 @@ class Traffic:
             row = rows.setdefault((name, phase), [0, 0.0, 0.0, 0.0, 0.0])
             row[0] += 1
             for i, kind in enumerate(("read", "write")):
+                if not addresses:  # a PyTorch operator: what it reads and writes, once
+                    row[1 + 2 * i] += requested[kind] / unit
+                    row[2 + 2 * i] += requested[kind] / unit
+                    continue
                 by_size = defaultdict(list)  # every load (store) of the launch: its programs and loop steps
                 for touched, size in addresses[kind]:
                     by_size[size].append(touched)
@@ -120,9 +150,12 @@ def measure(n: int, dtype: torch.dtype, pad: bool, m: int = 64, d: int = 64, con
         t.grad = None
     traffic = Traffic()
     traffic.install()
-    out = layer()
-    traffic.phase = "backward"
-    out.float().square().sum().backward()
+    # the output's gradient in q's layout, as the output projection's backward gives it; made before counting
+    grad = torch.randn(1, n, 1, d, generator=g).to(dtype).transpose(1, 2)
+    with traffic.aten_mode():
+        out = layer()
+        traffic.phase = "backward"
+        out.backward(grad)
     return traffic.table(n * d * leaves[0].element_size()), out, [t.grad for t in leaves + [weight]]
 
 
@@ -152,8 +185,9 @@ def main(argv=None):
         unique, requested = totals[0] + totals[2], totals[1] + totals[3]
         print(f"| **total** | | {sum(r[2] for r in rows)} | {totals[0]:.2f} / {totals[1]:.2f} | "
               f"{totals[2]:.2f} / {totals[3]:.2f} |")
-        print(f"\nread + written: {unique:.2f} tensors unique ({unique / FLOOR_TENSORS:.2f}× the floor's "
-              f"{FLOOR_TENSORS}), {requested:.2f} requested ({requested / FLOOR_TENSORS:.2f}×)")
+        print(f"\nread + written: {unique:.2f} tensors unique ({unique / FLOOR_TENSORS:.2f}× issue #6's floor of "
+              f"{FLOOR_TENSORS}, {unique / BENCH_FLOOR_TENSORS:.2f}× attention_speed.py's of {BENCH_FLOOR_TENSORS}), "
+              f"{requested:.2f} requested ({requested / FLOOR_TENSORS:.2f}×, {requested / BENCH_FLOOR_TENSORS:.2f}×)")
 
 
 if __name__ == "__main__":

@@ -75,9 +75,11 @@ stage_attention() {
   sed -n '1,/^$/p' "$d/attention.md"
   limited "$python" bench/attention_speed.py --pad 0.25 --lengths 512 4096 --check | tee "$d/attention-padded.md"
   # the one-node layer's variants, built on the CPU: the conv inside pass 2's forward (seventeenth session)
-  # against the conv kernel after it; the landmarks recomputed in the backward (NYSTROM_RECOMPUTE=1, eighteenth)
+  # against the conv kernel after it; the conv's backward in one pass (twenty-second) against two kernels; the
+  # landmarks recomputed in the backward (NYSTROM_RECOMPUTE=1, eighteenth)
   limited "$python" bench/attention_speed.py --impls sdpa fast-triton-all fast-triton-all-conv-apart \
-    fast-triton-all-recompute --lengths 512 4096 65536 --check | tee "$d/one-node-variants.md"
+    fast-triton-all-conv-bwd-apart fast-triton-all-recompute --lengths 512 4096 65536 --check \
+    | tee "$d/one-node-variants.md"
 }
 
 stage_model() {

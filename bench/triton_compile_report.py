@@ -76,6 +76,14 @@ def configs(dt: str, prec: str, wide: bool):
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
                 PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
+    for ks, win, block_t, win_t in ((33, 64, 64, 128), (65, 128, 128, 256)):  # the paper's 33, the configs' 65
+        if wide:  # 16-bit inputs only (nt.CONV_BACKWARD_ONE_PASS_MAX_BYTES): fp32's tiles do not fit
+            continue
+        yield (f"conv backward in one pass (input + taps' gradients), kernel {ks}", nt._dwconv_bwd_kernel,
+               dict(G=p, **strides("sgb", "sgh", "sgn", "sgd"), V=p, **strides("svb", "svh", "svn", "svd"), KEEP=p,
+                    W="*fp32", DV=p, **strides("sdb", "sdh", "sdn", "sdd"), PART="*fp32", H=I32, N=I32, D=I32),
+               dict(KS=ks, BLOCK_N=32, WIN=win, WIN_T=win_t, BLOCK_T=block_t, BLOCK_D=64, TILES=16, PREC=prec,
+                    IS_F64=False), 8)
     # one program per (batch, head): it writes W itself, no combine launch; the one-node layer writes W once, in
     # fp32 (no copy in the inputs' dtype: HAS_LOW false)
     for finish, low in ((False, True), (True, True), (True, False)):

@@ -1003,21 +1003,27 @@ def test_interp_one_node_with_one_program_per_row_launches_no_combine_and_no_sum
 
 
 @needs_interpreter
+@pytest.mark.parametrize("one_pass", [True, False], ids=["conv-backward-one-pass", "conv-backward-two-kernels"])
 @pytest.mark.parametrize("inside", [True, False], ids=["conv-in-pass-2", "conv-kernel-after"])
 @pytest.mark.parametrize("n,m,ks,pad", [(67, 8, 5, (3, 20)), (130, 16, 33, (0, 41)), (20, 4, 33, (0, 7))])
-def test_interp_one_node_adds_the_conv_inside_pass_2_or_after_it_alike(inside, n, m, ks, pad, monkeypatch):
+def test_interp_one_node_adds_the_conv_inside_pass_2_or_after_it_alike(inside, one_pass, n, m, ks, pad,
+                                                                        monkeypatch):
     # The conv's banded product inside pass 2's forward (the output written once) or by its own kernel reading
     # pass 2's output back: the same function and gradients, with padding, n not a multiple of m, a conv wider
-    # than the sequence; with it inside, the forward launches no conv kernel
+    # than the sequence; with it inside, the forward launches no conv kernel. The backward's input and taps'
+    # gradients from one kernel (conv_backward_raw: 16-bit inputs, here fp64 let in) or from two.
     from nystromformer.attention import nystrom_triton as nt
     monkeypatch.setenv("NYSTROM_TRITON", "all")
     monkeypatch.setattr(nt, "CONV_IN_PASS_2", inside)
-    convs, conv = [], nt.conv_raw
+    monkeypatch.setattr(nt, "CONV_BACKWARD_ONE_PASS_MAX_BYTES", 8 if one_pass else 2)
+    convs, conv, conv_backward = [], nt.conv_raw, nt.conv_backward_raw
     monkeypatch.setattr(nt, "conv_raw", lambda *a, **kw: convs.append(kw.get("flip", False)) or conv(*a, **kw))
+    monkeypatch.setattr(nt, "conv_backward_raw", lambda *a: convs.append("backward") or conv_backward(*a))
     att = layer(m, ks)
     qkv, mask = inputs(2, n, pad=pad, seed=n + ks)
     compare(att, qkv, mask, use_triton=True, tol=FP64_TOL)
-    assert convs == ([] if inside else [False]) + [True]       # forward conv (unless inside), input gradient's
+    # forward conv (unless inside), then the backward's one pass or its input gradient's conv (+ the taps' kernel)
+    assert convs == ([] if inside else [False]) + (["backward"] if one_pass else [True])
 
 
 @needs_interpreter
@@ -1431,3 +1437,23 @@ def test_interp_conv_weight_gradient_by_diagonals_is_the_conv2d_weight_gradient(
     g = torch.randn_like(out)
     ref = torch.autograd.grad(out, att.conv.weight, g)[0]
     assert rel(nystrom_triton.conv_weight_grad_mm(v.detach(), keep, g, att.conv.weight.shape), ref) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,ks", [(67, 5), (700, 33), (130, 65)])
+def test_interp_conv_backward_in_one_pass_is_the_conv2d_input_and_weight_gradients(n, ks):
+    # conv_backward_raw (the one-node layer's): dV += the input gradient (zero at padding) and the taps'
+    # gradient, from one pass over g, v and dV; n over one program's 512 rows, a conv 65 wide (its two windows
+    # differ: 128 rows for the input gradient, 256 for the taps'), padding, and g, v, dV with q's strides
+    from nystromformer.attention import nystrom_triton
+    att = layer(8, ks)
+    (v, g, dv), mask = inputs(2, n, pad=(0, 7), seed=ks)
+    v, g, dv = v.detach().requires_grad_(), g.detach(), dv.detach().clone()
+    keep = mask.double()
+    out = att.conv(v * keep[:, None, :, None])
+    dx_ref, dw_ref = torch.autograd.grad(out, (v, att.conv.weight), g)
+    expected = dv + dx_ref
+    taps = nystrom_triton.conv_taps(att.conv.weight.detach())
+    dtaps = nystrom_triton.conv_backward_raw(v.detach(), keep, g, taps, dv)
+    assert rel(dv, expected) < FP64_TOL
+    assert rel(dtaps.reshape(att.conv.weight.shape), dw_ref) < FP64_TOL

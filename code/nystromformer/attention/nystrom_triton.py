@@ -219,34 +219,72 @@ if triton is not None:
             tl.store(DZ0 + off, g, mask=inside)
 
     @triton.jit
+    def _taps_grad_tile(G, sgn, sgd, X, sxn, sxd, KEEP, b, N, D, row0, pad, cols, BLOCK_N: tl.constexpr,
+                        WIN: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr):
+        # One tile of BLOCK_N rows' share of the taps' gradient, (BLOCK_T,): the product M = G_tile ·
+        # (keep·X)_windowᵀ (BLOCK_N × WIN, the window from row0 - pad) on the tensor cores, then tap t's sum is
+        # the sum of M's t-th diagonal, M[i, i + t], gathered. G, X: this (batch, head)'s base pointers.
+        rows = row0 + tl.arange(0, BLOCK_N)
+        g = tl.load(G + rows[:, None].to(tl.int64) * sgn + cols[None, :] * sgd,
+                    mask=(rows[:, None] < N) & (cols[None, :] < D), other=0.0)
+        x = _conv_window(X, sxn, sxd, KEEP, b, N, D, row0 - pad + tl.arange(0, WIN), cols, True)
+        m = tl.dot(g, tl.trans(x.to(g.dtype)), input_precision=PREC)
+        diagonal = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_T)[None, :]
+        return tl.sum(tl.gather(m, diagonal, axis=1), axis=0)
+
+    @triton.jit
     def _dwconv_wgrad_mm_kernel(X, sxb, sxh, sxn, sxd, KEEP, G, sgb, sgh, sgn, sgd, PART, H, N, D, KS: tl.constexpr,
                                 BLOCK_N: tl.constexpr, WIN: tl.constexpr, BLOCK_T: tl.constexpr,
                                 BLOCK_D: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr,
                                 IS_F64: tl.constexpr):
-        # PART[bh, prog, t] = sum over TILES row tiles of sum_i G[i,:] · keep[i+t-KS//2] X[i+t-KS//2,:]: per tile
-        # one product M = G_tile · X_windowᵀ (BLOCK_N × WIN) on the tensor cores, then the tap-t sum is the sum of
-        # M's t-th diagonal, M[i, i + t], gathered — instead of KS shifted loads and reductions.
+        # PART[bh, prog, t] = sum over TILES row tiles of sum_i G[i,:] · keep[i+t-KS//2] X[i+t-KS//2,:], a product
+        # and a diagonal gather per tile (_taps_grad_tile) instead of KS shifted loads and reductions.
         bh, b, h = _batch_head(H)
-        pad = KS // 2
         cols = tl.arange(0, BLOCK_D)
-        cmask = cols[None, :] < D
-        diagonal = tl.arange(0, BLOCK_N)[:, None] + tl.arange(0, BLOCK_T)[None, :]
         if IS_F64:
             acc = tl.zeros([BLOCK_T], dtype=tl.float64)
         else:
             acc = tl.zeros([BLOCK_T], dtype=tl.float32)
         for tile in range(TILES):
             row0 = (tl.program_id(1) * TILES + tile) * BLOCK_N
+            acc += _taps_grad_tile(G + b * sgb + h * sgh, sgn, sgd, X + b * sxb + h * sxh, sxn, sxd, KEEP, b, N, D,
+                                   row0, KS // 2, cols, BLOCK_N, WIN, BLOCK_T, PREC).to(acc.dtype)
+        tl.store(PART + (bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_T
+                 + tl.arange(0, BLOCK_T), acc)
+
+    @triton.jit
+    def _dwconv_bwd_kernel(G, sgb, sgh, sgn, sgd, V, svb, svh, svn, svd, KEEP, W, DV, sdb, sdh, sdn, sdd, PART, H, N,
+                           D, KS: tl.constexpr, BLOCK_N: tl.constexpr, WIN: tl.constexpr, WIN_T: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr,
+                           IS_F64: tl.constexpr):
+        # The conv's whole backward in one pass over its row tiles (the one-node layer), each of G, V and DV read
+        # once instead of G twice and V, DV once by two kernels:
+        #   DV[i] += keep[i] · sum_t W[h, t] · G[i - t + KS//2]     (the input gradient: _dwconv_kernel, FLIP)
+        #   PART[bh, prog, t] = sum_i G[i] · keep[i+t-KS//2] V[i+t-KS//2]  (the taps': _dwconv_wgrad_mm_kernel)
+        # Each half is its kernel's tile body; the input gradient's window covers BLOCK_N + KS - 1 rows (WIN), the
+        # taps' BLOCK_N + BLOCK_T - 1 (WIN_T).
+        bh, b, h = _batch_head(H)
+        pad = KS // 2
+        band = _conv_band(W, h, KS, True, BLOCK_N, WIN, G.dtype.element_ty)
+        cols = tl.arange(0, BLOCK_D)
+        cmask = cols[None, :] < D
+        if IS_F64:
+            acc = tl.zeros([BLOCK_T], dtype=tl.float64)
+        else:
+            acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        g_base = G + b * sgb + h * sgh
+        for tile in range(TILES):
+            row0 = (tl.program_id(1) * TILES + tile) * BLOCK_N
             rows = row0 + tl.arange(0, BLOCK_N)
-            g = tl.load(G + b * sgb + h * sgh + rows[:, None].to(tl.int64) * sgn + cols[None, :] * sgd,
-                        mask=(rows[:, None] < N) & cmask, other=0.0)
-            src = row0 - pad + tl.arange(0, WIN)
-            valid = (src >= 0) & (src < N)
-            x = tl.load(X + b * sxb + h * sxh + src[:, None].to(tl.int64) * sxn + cols[None, :] * sxd,
-                        mask=valid[:, None] & cmask, other=0.0)
-            x = x * tl.load(KEEP + b * N + src, mask=valid, other=0.0).to(x.dtype)[:, None]
-            m = tl.dot(g, tl.trans(x.to(g.dtype)), input_precision=PREC)
-            acc += tl.sum(tl.gather(m, diagonal, axis=1), axis=0).to(acc.dtype)
+            rmask = rows < N
+            window = _conv_window(g_base, sgn, sgd, KEEP, b, N, D, row0 - pad + tl.arange(0, WIN), cols, False)
+            dv = tl.dot(band, window, input_precision=PREC)
+            dv = dv * tl.load(KEEP + b * N + rows, mask=rmask, other=0.0).to(dv.dtype)[:, None]
+            at = DV + b * sdb + h * sdh + rows[:, None].to(tl.int64) * sdn + cols[None, :] * sdd
+            dv += tl.load(at, mask=rmask[:, None] & cmask, other=0.0).to(dv.dtype)
+            tl.store(at, dv, mask=rmask[:, None] & cmask)
+            acc += _taps_grad_tile(g_base, sgn, sgd, V + b * svb + h * svh, svn, svd, KEEP, b, N, D, row0, pad, cols,
+                                   BLOCK_N, WIN_T, BLOCK_T, PREC).to(acc.dtype)
         tl.store(PART + (bh.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)) * BLOCK_T
                  + tl.arange(0, BLOCK_T), acc)
 
@@ -1466,6 +1504,31 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
 
+# The conv's backward in one pass (conv_backward_raw) for 16-bit inputs only: at 32/64 bits its tiles need 137–250
+# KB of shared memory (fp32, conv 33–65) and spill (ptxas, sm_90), so there the two kernels run.
+CONV_BACKWARD_ONE_PASS_MAX_BYTES = 2
+
+
+def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps: torch.Tensor,
+                      dv: torch.Tensor) -> torch.Tensor:
+    """The conv's backward in one launch, no autograd: adds the input gradient ``conv_raw(g, keep, taps,
+    in_mask=False, out_mask=True, flip=True)`` into ``dv`` in place and returns the taps' gradient (h, k) in the
+    accumulation dtype, as ``conv_weight_grad_mm`` (same tiles, same products). v and g of one dtype."""
+    b, h, n, d = v.shape
+    ks = taps.shape[-1]
+    block_n = 32  # 64-row tiles spill at 8 warps in bf16 (52 bytes; 4 warps: 588), 32 do not (ptxas, sm_90)
+    tiles = min(16, _cdiv(n, block_n))  # 512 rows a program, as the two kernels it replaces
+    nprog = _cdiv(n, block_n * tiles)
+    block_t = _pow2(ks)
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
+    _dwconv_bwd_kernel[(b * h, nprog)](
+        g, *g.stride(), v, *v.stride(), keep, taps, dv, *dv.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
+        WIN=_pow2(block_n + ks - 1), WIN_T=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
+    return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2))
+
+
 def conv_taps(weight: torch.Tensor) -> torch.Tensor:
     """The Conv2d weight (h, 1, k, 1) as contiguous taps (h, k)."""
     return weight.reshape(weight.shape[0], weight.shape[2]).contiguous()
@@ -1630,11 +1693,15 @@ def _layer_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: tor
         else:
             segment_means_grad(dq_land, keep, n, add=dq, mask_add=True, out=dq,
                                g2=_partial_sum(dql_parts, q_land.shape))
-    if taps is not None and need_v:
-        conv_raw(g, keep, taps, dv, in_mask=False, out_mask=True, out=dv, flip=True)
     dtaps = stat.new_empty(0)
-    if taps is not None and need_taps:
-        dtaps = conv_weight_grad_mm(v, keep, g, (taps.shape[0], 1, taps.shape[1], 1)).reshape(taps.shape)
+    if (taps is not None and need_v and need_taps and g.dtype == v.dtype
+            and v.element_size() <= CONV_BACKWARD_ONE_PASS_MAX_BYTES):  # one pass over g, v and dv
+        dtaps = conv_backward_raw(v, keep, g, taps, dv)
+    else:
+        if taps is not None and need_v:
+            conv_raw(g, keep, taps, dv, in_mask=False, out_mask=True, out=dv, flip=True)
+        if taps is not None and need_taps:
+            dtaps = conv_weight_grad_mm(v, keep, g, (taps.shape[0], 1, taps.shape[1], 1)).reshape(taps.shape)
     return dq if need_q else q.new_empty(0), dk, dv if need_v else v.new_empty(0), dtaps
 
 
