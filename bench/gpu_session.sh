@@ -9,6 +9,7 @@
 #                                         # each with the iteration's backward direct or transposed, and the
 #                                         # iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
+#   bash bench/gpu_session.sh settings    # the n-long kernels' launch settings swept, each wrapper alone
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
 #   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
@@ -39,7 +40,7 @@ limited() {
   if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
   timeout "$(( left < limit ? left : limit ))" "$@"
 }
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention model loop compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings model loop compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -80,6 +81,13 @@ stage_attention() {
   limited "$python" bench/attention_speed.py --impls sdpa fast-triton-all fast-triton-all-conv-apart \
     fast-triton-all-conv-bwd-apart fast-triton-all-recompute --lengths 512 4096 65536 --check \
     | tee "$d/one-node-variants.md"
+}
+
+stage_settings() {
+  # rows a tile, tiles a program, warps, stages of the wrappers over the n-long tensors (bench/bytes_moved.py: the
+  # layer's bytes are ~1.9x the floor's, its time 7.1x): each wrapper in its own process, outputs checked
+  local d=$RESULTS/settings; mkdir -p "$d"
+  limited "$python" bench/kernel_settings.py --lengths 4096 65536 | tee "$d/kernel-settings.md"
 }
 
 stage_model() {

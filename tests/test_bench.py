@@ -246,3 +246,28 @@ def test_bytes_moved_counts_each_kernels_loads_and_stores_in_tensors_of_q():
     total = next(r for r in table_rows(lines) if r[0] == "**total**")
     assert float(total[4].split(" / ")[0]) >= 4  # o, dq, dk, dv at least once
     assert any(line.startswith("read + written:") and "× issue #6's floor of 9" in line for line in lines)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_what_the_chosen_one_does():
+    # The GPU sweep's settings, checked here under the interpreter (which ignores warps and stages but runs the
+    # tiles as given): each wrapper's chosen settings and every variation give the same outputs up to summation
+    # order, rows and tiles change the programs launched (the override reaches the launch), and the setting
+    # Triton miscompiled on the H100 (pass 1's fp32 backward at 8 warps) is refused, not run.
+    sys.path.insert(0, str(REPO / "bench"))
+    import kernel_settings
+    lines = run_script("bench/kernel_settings.py", "--device", "cpu", "--tokens", "256", "--lengths", "128",
+                       "--heads", "1", "--head-dim", "16", "--landmarks", "8", "--conv", "5", "--dtype", "fp32",
+                       "--repeat", "1")
+    rows = table_rows(lines)
+    assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS)
+    failed = [(r[0], r[1]) for r in rows if r[2].startswith("failed")]
+    assert failed == [("lq_backward_raw", "num_warps=8")], failed
+    programs = {}
+    for wrapper, setting, count, ms, ratio, diff in (r for r in rows if not r[2].startswith("failed")):
+        assert float(diff) < 1e-6, (wrapper, setting, diff)
+        programs.setdefault(wrapper, {})[setting] = int(count)
+    assert all("chosen" in by_setting for by_setting in programs.values())
+    assert programs["lk_forward_raw"]["rows=32"] == 2 * programs["lk_forward_raw"]["chosen"]
+    assert programs["lq_backward_raw"]["tiles=4"] == 2 * programs["lq_backward_raw"]["chosen"]
+    assert programs["segment_means_grad"]["rows=64"] * 2 == programs["segment_means_grad"]["chosen"]

@@ -1411,6 +1411,21 @@ def test_launch_settings_that_triton_miscompiled_on_an_h100_are_never_used(monke
     assert [nystrom_triton._core_warps(64, d) for d in (8, 16, 32, 64)] == [4, 4, 8, 8]
 
 
+def test_a_launch_override_replaces_only_the_settings_it_names_and_a_misspelt_one_is_an_error(monkeypatch):
+    # bench/kernel_settings.py's sweeps go through LAUNCH_OVERRIDES: a setting the wrapper does not have would
+    # otherwise be silently ignored and the sweep would time the chosen settings under another name
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    monkeypatch.setattr(nystrom_triton, "LAUNCH_OVERRIDES", {"conv_raw": {"rows": 32, "num_stages": 2}})
+    assert nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8) == dict(rows=32, tiles=8, num_warps=8,
+                                                                                     num_stages=2)
+    assert nystrom_triton._launch("conv_backward_raw", rows=32, num_warps=8) == dict(rows=32, num_warps=8)
+    monkeypatch.setitem(nystrom_triton.LAUNCH_OVERRIDES, "conv_raw", {"row": 32})
+    with pytest.raises(ValueError, match=r"LAUNCH_OVERRIDES\['conv_raw'\]: no setting \['row'\]"):
+        nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8)
+
+
 @pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU target; not under the interpreter")
 def test_every_kernel_compiles_for_hopper_within_its_shared_memory():
     if not _triton_importable():

@@ -105,6 +105,30 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+# Launch settings of the n-long passes' wrappers: each chooses its own below (rows a tile, tiles a program, warps —
+# by ptxas's spills and the H100 runs); a benchmark may replace any of them by the wrapper's name, e.g.
+# LAUNCH_OVERRIDES["conv_raw"] = {"rows": 32, "num_stages": 2} (bench/kernel_settings.py sweeps them on a GPU).
+LAUNCH_OVERRIDES: dict = {}
+
+
+def _launch(wrapper: str, **chosen) -> dict:
+    """The wrapper's ``chosen`` settings, with those in ``LAUNCH_OVERRIDES[wrapper]`` in their place (also
+    ``num_stages``, which is otherwise Triton's default)."""
+    override = LAUNCH_OVERRIDES.get(wrapper)
+    if not override:
+        return chosen
+    unknown = set(override) - set(chosen) - {"num_stages"}
+    if unknown:
+        raise ValueError(f"LAUNCH_OVERRIDES[{wrapper!r}]: no setting {sorted(unknown)}; it has {sorted(chosen)} "
+                         f"and num_stages")
+    return {**chosen, **override}
+
+
+def _warps(settings: dict) -> dict:
+    """The launch keywords of ``_launch``'s settings: num_warps, and num_stages when one is set."""
+    return {k: settings[k] for k in ("num_warps", "num_stages") if k in settings}
+
+
 def _block(m: int) -> int:
     """A tile side for m rows or columns: a power of two, at least 16 (tl.dot's minimum)."""
     return max(16, _pow2(m))
@@ -1151,11 +1175,17 @@ def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
     # Keys per block: forward 64 (fp32: 32), backward 32 (fp32: 16) — no spills at 8 warps (ptxas, sm_90). The
     # fp32 backward runs 4 warps: at 8, Triton 3.6 compiled it wrong on an H100 (head_dim 64: an out-of-bounds
     # shared-memory read, compute-sanitizer; head_dim 32: dQ̃ off by 67% with no error); 4 are correct at 16–64.
+    # With "tiles", the key blocks a program runs at most (the caller's, not a kernel constant).
     small = q_land.element_size() <= 2
-    block_k = (32 if small else 16) if backward else (64 if small else 32)
-    return dict(BLOCK_M=_block(q_land.shape[-2]), BLOCK_K=block_k, BLOCK_D=_block(q_land.shape[-1]),
-                PREC=_dot_precision(q_land.dtype), IS_F64=q_land.dtype == torch.float64,
+    s = _launch("lq_backward_raw" if backward else "lq_forward_raw",
+                rows=(32 if small else 16) if backward else (64 if small else 32), tiles=8,
                 num_warps=8 if small or not backward else 4)
+    if backward and not small and s["num_warps"] > 4:
+        raise ValueError(f"pass 1's {q_land.dtype} backward at {s['num_warps']} warps: Triton 3.6 miscompiles it "
+                         f"for sm_90 (docs/performance.md, \"Two Triton miscompiles\")")
+    return dict(BLOCK_M=_block(q_land.shape[-2]), BLOCK_K=s["rows"], BLOCK_D=_block(q_land.shape[-1]),
+                PREC=_dot_precision(q_land.dtype), IS_F64=q_land.dtype == torch.float64, tiles=s["tiles"],
+                **_warps(s))
 
 
 def _bias_or(key_bias: Optional[torch.Tensor], stand_in: torch.Tensor) -> torch.Tensor:
@@ -1178,7 +1208,7 @@ def lq_forward_raw(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_b
     q_land = q_land.contiguous()
     acc_t = _acc_dtype(q_land.dtype)
     c = _lq_consts(q_land, backward=False)
-    tiles = min(8, _cdiv(n, c["BLOCK_K"]))
+    tiles = min(c.pop("tiles"), _cdiv(n, c["BLOCK_K"]))
     nprog = _cdiv(n, c["BLOCK_K"] * tiles)
     out = torch.empty(b, h, m, d, device=k.device, dtype=acc_t)
     out_low = torch.empty(b, h, m, d, device=k.device, dtype=q_land.dtype) if low else None
@@ -1232,7 +1262,7 @@ def lq_backward_raw(q_land, k, v, key_bias, out, lse, g, seg=None, partials=Fals
     n = k.shape[-2]
     q_land = q_land.contiguous()
     c = _lq_consts(q_land, backward=True)
-    tiles = min(8, _cdiv(n, c["BLOCK_K"]))
+    tiles = min(c.pop("tiles"), _cdiv(n, c["BLOCK_K"]))
     nprog = _cdiv(n, c["BLOCK_K"] * tiles)
     g = g.contiguous()
     dk = torch.empty_like(k)
@@ -1277,8 +1307,12 @@ def landmark_queries_attention(q_land: torch.Tensor, k: torch.Tensor, v: torch.T
 def _lk_consts(q: torch.Tensor, m: int, backward: bool) -> dict:
     # Query rows per block: forward 64; backward 64 for 16-bit, 32 for 32/64-bit (at 64 the fp32 backward needs
     # 225 KB of shared memory and spills). 8 warps: no spills (ptxas, sm_90; 4 warps need 239 registers).
-    block_n = 64 if not backward or q.element_size() <= 2 else 32
-    return dict(BLOCK_N=block_n, BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype))
+    # With "tiles" (the backward's row blocks a program) and the launch's warps, for the caller to take out.
+    s = _launch("lk_backward_raw" if backward else "lk_forward_raw",
+                rows=64 if not backward or q.element_size() <= 2 else 32, num_warps=8,
+                **({"tiles": 8} if backward else {}))
+    return dict(BLOCK_N=s["rows"], BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype),
+                **{k: v for k, v in s.items() if k in ("tiles", "num_warps", "num_stages")})
 
 
 def lk_forward_raw(q, keep, k_land, zw, v=None, taps=None):
@@ -1292,7 +1326,7 @@ def lk_forward_raw(q, keep, k_land, zw, v=None, taps=None):
     ks = taps.shape[-1] if conv else 1
     _lk_fwd_kernel[(b * h, _cdiv(n, c["BLOCK_N"]))](q, *q.stride(), keep.contiguous(), k_land.contiguous(),
                                                     zw.contiguous(), out, *out.stride(), v, *v.stride(),
-                                                    taps if conv else keep, h, n, m, d, d ** -0.5, num_warps=8,
+                                                    taps if conv else keep, h, n, m, d, d ** -0.5,
                                                     HAS_CONV=conv, KS=ks, WIN=_pow2(c["BLOCK_N"] + ks - 1), **c)
     return out
 
@@ -1319,7 +1353,7 @@ def lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=None):
     b, h, n, d = q.shape
     m = k_land.shape[-2]
     c = _lk_consts(q, m, backward=True)
-    tiles = min(8, _cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
+    tiles = min(c.pop("tiles"), _cdiv(n, c["BLOCK_N"]))  # row blocks per program: fewer partial sums to add up
     nprog = _cdiv(n, c["BLOCK_N"] * tiles)
     acc = _acc_dtype(q.dtype)
     dzw_dtype = dzw_dtype or acc
@@ -1333,7 +1367,7 @@ def lk_backward_raw(q, keep, k_land, zw, g, dzw_dtype=None):
     dq = torch.empty_like(q)
     _lk_bwd_kernel[(b * h, nprog)](q, *q.stride(), keep.contiguous(), k_land.contiguous(), zw.contiguous(), g,
                                    *g.stride(), dq, *dq.stride(), dkl_p, dzw_p, h, n, m, d, d ** -0.5,
-                                   TILES=tiles, IS_F64=acc == torch.float64, num_warps=8, **c)
+                                   TILES=tiles, IS_F64=acc == torch.float64, **c)
     if nprog == 1:
         dkl, dzw = dkl_p[:, 0], dzw_p[:, 0]
     else:
@@ -1380,11 +1414,13 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int, x2: torch.Ten
     out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
     out2 = torch.empty_like(out) if x2 is not None else out
     seg_len = -(-n // m)
-    block_n = max(1, min(64, _pow2(seg_len)))
+    s = _launch("segment_means_raw", rows=64, num_warps=4)
+    block_n = max(1, min(s["rows"], _pow2(seg_len)))
     other = x2 if x2 is not None else x  # HAS_X2 false: never read
     _segmeans_kernel[(b * h, m)](x, *x.stride(), other, *other.stride(), keep.contiguous(), out, out2, h, n, m, d,
                                  NCHUNK=_cdiv(seg_len, block_n), BLOCK_N=block_n,
-                                 BLOCK_D=_pow2(d), IS_F64=x.dtype == torch.float64, HAS_X2=x2 is not None)
+                                 BLOCK_D=_pow2(d), IS_F64=x.dtype == torch.float64, HAS_X2=x2 is not None,
+                                 **_warps(s))
     return (out, out2) if x2 is not None else out
 
 
@@ -1409,13 +1445,14 @@ def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.T
     else:
         s2 = (0, 0, 0)
     gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
-    block_n = 32  # 64 rows × 64 columns spilled at 4 warps (ptxas, sm_90)
+    s = _launch("segment_means_grad", rows=32, num_warps=4)  # 64 rows × 64 columns spilled at 4 warps (sm_90)
+    block_n = s["rows"]
     astr = add.stride() if add is not None else (0, 0, 0, 0)
     _segmeans_bwd_kernel[(b * h, _cdiv(n, block_n))](
         g, g2 if g2 is not None else g, *s2, keep.contiguous(), add if add is not None else g, *astr, gx,
         *gx.stride(), h, n, m, d, HAS_G2=g2 is not None, G2_PARTS=g2_parts.shape[1] if g2_parts is not None else 1,
         HAS_ADD=add is not None, MASK_ADD=mask_add, BLOCK_N=block_n, BLOCK_D=_pow2(d),
-        IS_F64=g.dtype == torch.float64)
+        IS_F64=g.dtype == torch.float64, **_warps(s))
     return gx
 
 
@@ -1459,8 +1496,9 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=
     dtype = x.dtype if res is None else res.dtype
     if out is None:
         out = _empty((b, h, n, d), like, dtype, x.device)
-    block_n = 64
-    tiles = min(8, _cdiv(n, block_n))  # row tiles per program: the band is built once for them
+    s = _launch("conv_raw", rows=64, tiles=8, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
+    block_n = s["rows"]
+    tiles = min(s["tiles"], _cdiv(n, block_n))  # row tiles per program: the band is built once for them
     # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
     prec = {torch.float32: "tf32x3", torch.float64: "ieee"}.get(x.dtype, "tf32")
     rs = res.stride() if res is not None else (0, 0, 0, 0)
@@ -1468,7 +1506,7 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=
         x, *x.stride(), keep, w, res if res is not None else x, *rs, out, *out.stride(), h, n, d, KS=ks, FLIP=flip,
         IN_MASK=in_mask, OUT_MASK=out_mask, HAS_RES=res is not None, BLOCK_N=block_n,
         WIN=_pow2(block_n + ks - 1), BLOCK_D=_block(d), TILES=tiles,
-        PREC=prec, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
+        PREC=prec, **_warps(s))
     return out
 
 
@@ -1491,8 +1529,9 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     ``NYSTROM_TRITON=all`` path: 0.27 ms on an H100 at 65,536 tokens against the shifted-load kernel's 0.47)."""
     b, h, n, d = v.shape
     ks = weight_shape[2]
-    block_n = 64
-    tiles = min(8, _cdiv(n, block_n))
+    s = _launch("conv_weight_grad_mm", rows=64, tiles=8, num_warps=8)
+    block_n = s["rows"]
+    tiles = min(s["tiles"], _cdiv(n, block_n))
     nprog = _cdiv(n, block_n * tiles)
     block_t = _pow2(ks)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -1500,7 +1539,7 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     _dwconv_wgrad_mm_kernel[(b * h, nprog)](
         v, *v.stride(), keep, g, *g.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
         WIN=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
-        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, **_warps(s))
     return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
 
@@ -1516,8 +1555,11 @@ def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps
     accumulation dtype, as ``conv_weight_grad_mm`` (same tiles, same products). v and g of one dtype."""
     b, h, n, d = v.shape
     ks = taps.shape[-1]
-    block_n = 32  # 64-row tiles spill at 8 warps in bf16 (52 bytes; 4 warps: 588), 32 do not (ptxas, sm_90)
-    tiles = min(16, _cdiv(n, block_n))  # 512 rows a program, as the two kernels it replaces
+    # 64-row tiles spill at 8 warps in bf16 (52 bytes; 4 warps: 588), 32 do not (ptxas, sm_90); 16 tiles: 512 rows a
+    # program, as the two kernels it replaces
+    s = _launch("conv_backward_raw", rows=32, tiles=16, num_warps=8)
+    block_n = s["rows"]
+    tiles = min(s["tiles"], _cdiv(n, block_n))
     nprog = _cdiv(n, block_n * tiles)
     block_t = _pow2(ks)
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -1525,7 +1567,7 @@ def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps
     _dwconv_bwd_kernel[(b * h, nprog)](
         g, *g.stride(), v, *v.stride(), keep, taps, dv, *dv.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
         WIN=_pow2(block_n + ks - 1), WIN_T=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
-        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, num_warps=8)
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, **_warps(s))
     return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2))
 
 

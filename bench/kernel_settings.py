@@ -1,0 +1,245 @@
+"""Launch settings of the one-node layer's n-long kernels, swept: each wrapper timed alone at its chosen settings
+and at variations of them (rows a tile, tiles a program, warps, pipeline stages).
+
+`bench/bytes_moved.py` found the layer moving ~1.9× the bandwidth floor's bytes at long n while the H100 timed it at
+7.1× the floor: its kernels run at ~28% of the copy bandwidth (docs/performance.md, "Bytes moved"). The chosen
+settings came from ptxas's spills, never from a sweep. This times each wrapper of `nystrom_triton` that reads or
+writes the n-long tensors — on the inputs the layer gives it (its own forward's landmark tensors) — under every
+setting in `variations()`, through `nystrom_triton.LAUNCH_OVERRIDES`, and checks that every setting computes what
+the chosen one does (relative difference of all outputs; settings only reorder sums).
+
+    python bench/kernel_settings.py                           # GPU: n = 4096 and 65,536, 65,536 tokens, bf16
+    python bench/kernel_settings.py --wrappers conv_backward_raw lk_backward_raw --lengths 65536
+    python bench/kernel_settings.py --device cpu --tokens 256 --lengths 128 --heads 1 --head-dim 16 --landmarks 8 \\
+        --conv 5 --dtype fp32                                 # CPU: Triton's interpreter, checks only
+
+Each wrapper runs in a process of its own, for every length (each setting compiles once) (on a GPU, a setting Triton compiles wrong can fault
+and take the CUDA context with it: that wrapper's rows say so, the others still run). One table per length: wrapper, setting,
+programs launched, median ms (CUDA events), × the chosen setting's time, relative difference. A setting faster
+than the chosen one by more than the noise is a candidate for the wrapper's default — after the GPU tests pass
+with it (`bash bench/gpu_session.sh check` with the default changed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WRAPPERS = ["segment_means_raw", "lq_forward_raw", "lk_forward_raw", "lk_backward_raw", "lq_backward_raw",
+            "segment_means_grad", "conv_backward_raw", "conv_raw", "conv_weight_grad_mm"]
+
+
+def variations(chosen: dict) -> list[dict]:
+    """The settings tried beside the chosen ones: each setting halved and doubled (rows ≥ 16), warps 4 ↔ 8, and
+    2, 3 or 4 pipeline stages (Triton's default on Hopper is 3)."""
+    out = [{}]
+    if "rows" in chosen:
+        out += [{"rows": r} for r in (chosen["rows"] // 2, chosen["rows"] * 2) if r >= 16]
+    if "tiles" in chosen:
+        out += [{"tiles": t} for t in (chosen["tiles"] // 2, chosen["tiles"] * 2) if t >= 1]
+    out += [{"num_warps": 4 if chosen["num_warps"] == 8 else 8}]
+    out += [{"num_stages": s} for s in (2, 4)]
+    return out
+
+
+def setting_label(override: dict) -> str:
+    return "chosen" if not override else ", ".join(f"{k}={v}" for k, v in override.items())
+
+
+def layer_inputs(args, device):
+    """Every wrapper's call on the tensors the one-node layer hands it: {wrapper: (prepare, run)}, where
+    ``prepare()`` makes what one call changes in place (untimed) and ``run(prepared)`` is the timed call."""
+    import torch
+
+    from nystromformer.attention import nystrom_triton as nt
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
+    b, n, h, d, m = args.tokens // args.n, args.n, args.heads, args.head_dim, args.landmarks
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def heads():  # (b, h, n, d) views of (b, n, h, d), as the model's
+        return torch.randn(b, n, h, d, generator=g).to(device, dtype).transpose(1, 2)
+    q, k, v, grad = heads(), heads(), heads(), heads()
+    keep = torch.ones(b, n, device=device, dtype=dtype)
+    taps = torch.randn(h, args.conv, generator=g).to(device) * 0.1
+    _, q_land, k_land, w, lse, zw, stat, cols, zs = nt.layer_forward(q, k, v, keep, None, taps, m, 6,
+                                                                     "tf32x3" if dtype != torch.float64 else "ieee")
+    dq, dkl_pass2, dzw = nt.lk_backward_raw(q, keep, k_land, zw, grad, dzw_dtype=zw.dtype)
+    dq_land, dk_land, dw = nt._core_reverse(q_land, k_land, w, stat, cols, zs, dzw, 6,
+                                            "tf32x3" if dtype != torch.float64 else "ieee", has_w=True,
+                                            group=b * h, land_dtype=stat.dtype, dw_dtype=dtype)
+    fuse_k = k.element_size() <= nt.K_MEANS_GRAD_IN_PASS_1_MAX_BYTES
+    nothing = lambda: None  # noqa: E731
+    fresh_dv = lambda: v.clone()  # noqa: E731  (pass 1's dV, which the conv's input gradient is added into)
+    return {
+        "segment_means_raw": (nothing, lambda _: nt.segment_means_raw(q, keep, m, x2=k)),
+        "lq_forward_raw": (nothing, lambda _: nt.lq_forward_raw(q_land, k, v, None, low=False)),
+        "lk_forward_raw": (nothing, lambda _: nt.lk_forward_raw(q, keep, k_land, zw, v, taps)),
+        "lk_backward_raw": (nothing, lambda _: nt.lk_backward_raw(q, keep, k_land, zw, grad, dzw_dtype=zw.dtype)),
+        # dQ̃ summed over the programs (their partials differ with the programs; the layer sums them later)
+        "lq_backward_raw": (nothing, lambda _: nt.lq_backward_raw(q_land, k, v, None, w, lse, dw,
+                                                                  seg=(keep, dk_land, dkl_pass2) if fuse_k else None)),
+        "segment_means_grad": (lambda: dq.clone(), lambda dq_: nt.segment_means_grad(
+            dq_land, keep, n, add=dq_, mask_add=True, out=dq_, g2=dq_land)),
+        "conv_backward_raw": (fresh_dv, lambda dv: (nt.conv_backward_raw(v, keep, grad, taps, dv), dv)),
+        "conv_raw": (fresh_dv, lambda dv: nt.conv_raw(grad, keep, taps, dv, in_mask=False, out_mask=True, out=dv,
+                                                      flip=True)),
+        "conv_weight_grad_mm": (nothing, lambda _: nt.conv_weight_grad_mm(v, keep, grad, (h, 1, args.conv, 1))),
+    }
+
+
+def sweep(wrapper: str, args, n: int) -> list[dict]:
+    """Rows for one wrapper at length n: setting, programs, ms, relative difference, or the error it raised."""
+    import torch
+
+    from nystromformer.attention import nystrom_triton as nt
+    device = torch.device(args.device)
+    args.n = n
+    prepare, run_once = layer_inputs(args, device)[wrapper]
+
+    def fn():
+        return run_once(prepare())
+    programs = [0]
+    if device.type == "cuda":
+        from triton.runtime.jit import JITFunction as Launched
+    else:
+        from triton.runtime.interpreter import InterpretedFunction as Launched
+    launch_run = Launched.run
+
+    def counted(self, *a, **kw):
+        grid = kw.get("grid")
+        grid = grid(kw) if callable(grid) else grid
+        count = 1
+        for size in grid:
+            count *= size
+        programs[0] += count
+        return launch_run(self, *a, **kw)
+    Launched.run = counted
+
+    # the chosen settings: what the wrapper asks _launch for on this call
+    seen, launch = {}, nt._launch
+    nt._launch = lambda name, **chosen: (seen.setdefault(name, chosen), launch(name, **chosen))[1]
+    reference = fn()
+    nt._launch = launch
+    chosen = seen.get(wrapper)
+    if chosen is None:
+        raise SystemExit(f"{wrapper} asked nystrom_triton._launch for no settings (renamed?)")
+    reference = [t.detach().double().clone() for t in flat(reference)]
+    rows = []
+    for override in variations(chosen):
+        nt.LAUNCH_OVERRIDES.clear()
+        if override:
+            nt.LAUNCH_OVERRIDES[wrapper] = override
+        row = {"setting": setting_label(override)}
+        try:
+            out = [t.detach().double() for t in flat(fn())]  # compiles this setting; its result is checked
+            row["diff"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(out, reference))
+            programs[0] = 0
+            fn()
+            row["programs"] = programs[0]
+            row["ms"] = time_it(prepare, run_once, device, args.repeat)
+        except Exception as exc:  # a refused or failing setting is a row, not the end of the sweep
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            if device.type == "cuda" and "illegal" in str(exc).lower():
+                rows.append(row)
+                break  # the CUDA context is gone
+        rows.append(row)
+    nt.LAUNCH_OVERRIDES.clear()
+    Launched.run = launch_run
+    return rows
+
+
+def flat(outputs):
+    import torch
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    return [t for o in outputs for t in flat(o)] if isinstance(outputs, (tuple, list)) else []
+
+
+def time_it(prepare, run_once, device, repeat: int) -> float:
+    """Median ms of ``run_once(prepare())``, the preparation untimed (CUDA events on a GPU)."""
+    import torch
+    for _ in range(2):
+        run_once(prepare())
+    samples = []
+    for _ in range(repeat):
+        state = prepare()
+        if device.type != "cuda":
+            start = time.perf_counter()
+            run_once(state)
+            samples.append((time.perf_counter() - start) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_once(state)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def child_argv(args, wrapper: str) -> list[str]:
+    return [sys.executable, __file__, "--child", wrapper, "--lengths", *map(str, args.lengths), "--device",
+            args.device, "--tokens", str(args.tokens), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--landmarks",
+            str(args.landmarks), "--conv", str(args.conv), "--dtype", args.dtype, "--repeat", str(args.repeat)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu (the interpreter)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 65536])
+    ap.add_argument("--tokens", type=int, default=65536, help="tokens per batch (batch = tokens / n)")
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--landmarks", type=int, default=64)
+    ap.add_argument("--conv", type=int, default=33)
+    ap.add_argument("--dtype", choices=["bf16", "fp32", "fp64"], default="bf16")
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--wrappers", nargs="+", choices=WRAPPERS, default=WRAPPERS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.child:  # one wrapper at every length (each setting compiles once): its rows as JSON
+        sys.path.insert(0, str(ROOT / "code"))
+        print(json.dumps({n: sweep(args.child, args, n) for n in args.lengths}))
+        return
+    env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {}))
+    env.pop("NYSTROM_TRITON", None)
+    print(f"# launch settings swept, {args.dtype}, {args.tokens:,} tokens a batch, {args.heads} heads × "
+          f"{args.head_dim}, {args.landmarks} landmarks, conv {args.conv}, on {args.device}"
+          + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else ""))
+    results = {}
+    for wrapper in args.wrappers:
+        proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
+        lines = proc.stdout.strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            results[wrapper] = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
+        else:
+            results[wrapper] = {int(n): rows for n, rows in json.loads(lines[-1]).items()}
+    for n in args.lengths:
+        print(f"\n## n = {n}\n")
+        print("| wrapper | setting | programs | ms | × chosen | rel. diff. |")
+        print("|---|---|---|---|---|---|")
+        for wrapper in args.wrappers:
+            if isinstance(results[wrapper], str):
+                print(f"| {wrapper} | (the process failed: {results[wrapper]}) | | | | |")
+                continue
+            rows = results[wrapper][n]
+            base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
+            for r in rows:
+                if "error" in r:
+                    print(f"| {wrapper} | {r['setting']} | failed: {r['error']} | | | |")
+                    continue
+                ratio = f"{r['ms'] / base:.2f}" if base else "—"
+                print(f"| {wrapper} | {r['setting']} | {r['programs']} | {r['ms']:.3f} | {ratio} | {r['diff']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
