@@ -34,6 +34,7 @@ output against the fp32 reference on the first batch element (--check).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import statistics
@@ -71,16 +72,27 @@ def with_env(env, fn):
     return run
 
 
-def with_attr(module, name, value, fn):
-    """fn with ``module.name`` set to value during the call."""
-    def run(*args):
-        old = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            return fn(*args)
-        finally:
-            setattr(module, name, old)
-    return run
+@contextlib.contextmanager
+def module_switches(name):
+    """The implementation's nystrom_triton switches, held while it runs forward *and* backward (the backward reads
+    some of them, e.g. CONV_BACKWARD_ONE_PASS_MAX_BYTES), then restored."""
+    switches = {}
+    if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
+        switches["CONV_IN_PASS_2"] = False
+    if name.endswith("-conv-bwd-apart"):  # the conv's two gradients by two kernels, as before the one pass
+        switches["CONV_BACKWARD_ONE_PASS_MAX_BYTES"] = 0
+    if not switches:
+        yield
+        return
+    from nystromformer.attention import nystrom_triton  # imported when used, as nystrom_fast does
+    old = {key: getattr(nystrom_triton, key) for key in switches}
+    for key, value in switches.items():
+        setattr(nystrom_triton, key, value)
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            setattr(nystrom_triton, key, value)
 
 
 def make_impl(name, layer):
@@ -98,12 +110,6 @@ def make_impl(name, layer):
                "NYSTROM_OVERLAP": "1" if name.endswith("-overlap") else "0",
                "NYSTROM_RECOMPUTE": "1" if name.endswith("-recompute") else "0"}
         fn = with_env(env, lambda q, k, v, mask: nystrom_fast.forward(q, k, v, mask, use_triton=True, **kw))
-        if name.endswith("-conv-apart"):  # the conv added by its own kernel after pass 2, as before it was fused
-            from nystromformer.attention import nystrom_triton  # imported when used, as nystrom_fast does
-            fn = with_attr(nystrom_triton, "CONV_IN_PASS_2", False, fn)
-        if name.endswith("-conv-bwd-apart"):  # the conv's two gradients by two kernels, as before one pass
-            from nystromformer.attention import nystrom_triton
-            fn = with_attr(nystrom_triton, "CONV_BACKWARD_ONE_PASS_MAX_BYTES", 0, fn)
         return (torch.float32 if name.endswith("fp32") else torch.bfloat16), fn
     raise ValueError(name)
 
@@ -155,6 +161,11 @@ def time_once(fn, args, grad, params, device, flush):
 
 
 def run(name, layer, b, n, args, device, flush):
+    with module_switches(name):
+        return run_with_switches(name, layer, b, n, args, device, flush)
+
+
+def run_with_switches(name, layer, b, n, args, device, flush):
     dtype, fn = make_impl(name, layer)
     (q, k, v), mask = inputs(b, n, args.heads, args.head_dim, dtype, device, args.pad)
     params = [q, k, v] + ([layer.conv.weight] if layer.conv is not None and name != "sdpa" else [])
@@ -186,14 +197,15 @@ def kernel_breakdown(name, layer, b, n, args, device, rows=14):
     dtype, fn = make_impl(name, layer)
     (q, k, v), mask = inputs(b, n, args.heads, args.head_dim, dtype, device, args.pad)
     params = [q, k, v] + ([layer.conv.weight] if layer.conv is not None and name != "sdpa" else [])
-    grad = torch.randn_like(fn(q, k, v, mask))
-    for _ in range(2):
-        torch.autograd.grad(fn(q, k, v, mask), params, grad)
-    sync(device)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        torch.autograd.grad(fn(q, k, v, mask), params, grad)
+    with module_switches(name):
+        grad = torch.randn_like(fn(q, k, v, mask))
+        for _ in range(2):
+            torch.autograd.grad(fn(q, k, v, mask), params, grad)
         sync(device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            torch.autograd.grad(fn(q, k, v, mask), params, grad)
+            sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 

@@ -26,6 +26,7 @@ on how many there are. A count, not a timing: the times are the GPU's (`bench/at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections import defaultdict
@@ -56,7 +57,10 @@ class Traffic:
         self.phase = "forward"
         self.current = None
 
-    def install(self):
+    @contextlib.contextmanager
+    def recording(self):
+        """Every kernel launch and PyTorch operator inside the block is recorded; the interpreter's own functions
+        are restored after it."""
         run = interpreter.InterpretedFunction.run
         load = interpreter.InterpreterBuilder.create_masked_load
         store = interpreter.InterpreterBuilder.create_masked_store
@@ -91,6 +95,13 @@ class Traffic:
         interpreter.InterpretedFunction.run = counted_run
         interpreter.InterpreterBuilder.create_masked_load = counted_load
         interpreter.InterpreterBuilder.create_masked_store = counted_store
+        try:
+            with self.aten_mode():
+                yield self
+        finally:
+            interpreter.InterpretedFunction.run = run
+            interpreter.InterpreterBuilder.create_masked_load = load
+            interpreter.InterpreterBuilder.create_masked_store = store
 
     def aten_mode(self):
         """A dispatch mode that records each PyTorch operator outside the kernels as a launch: its tensor inputs read,
@@ -145,14 +156,13 @@ def measure(n: int, dtype: torch.dtype, pad: bool, m: int = 64, d: int = 64, con
 
     def layer():
         return nystrom_fast.forward(q, k, v, mask, num_landmarks=m, conv_weight=weight, use_triton=True)
-    layer().float().square().sum().backward()  # warm-up (nothing is counted before install)
+    layer().float().square().sum().backward()  # warm-up, not recorded
     for t in leaves + [weight]:
         t.grad = None
     traffic = Traffic()
-    traffic.install()
-    # the output's gradient in q's layout, as the output projection's backward gives it; made before counting
+    # the output's gradient in q's layout, as the output projection's backward gives it; made before recording
     grad = torch.randn(1, n, 1, d, generator=g).to(dtype).transpose(1, 2)
-    with traffic.aten_mode():
+    with traffic.recording():
         out = layer()
         traffic.phase = "backward"
         out.backward(grad)

@@ -13,11 +13,12 @@ the chosen one does (relative difference of all outputs; settings only reorder s
     python bench/kernel_settings.py --device cpu --tokens 256 --lengths 128 --heads 1 --head-dim 16 --landmarks 8 \\
         --conv 5 --dtype fp32                                 # CPU: Triton's interpreter, checks only
 
-Each wrapper runs in a process of its own, for every length (each setting compiles once) (on a GPU, a setting Triton compiles wrong can fault
-and take the CUDA context with it: that wrapper's rows say so, the others still run). One table per length: wrapper, setting,
-programs launched, median ms (CUDA events), × the chosen setting's time, relative difference. A setting faster
-than the chosen one by more than the noise is a candidate for the wrapper's default — after the GPU tests pass
-with it (`bash bench/gpu_session.sh check` with the default changed).
+Each wrapper runs in a process of its own, for every length (each setting compiles once): on a GPU a setting
+Triton compiles wrong can fault and take the CUDA context with it — that wrapper's rows say so, the others still
+run. One table per length: wrapper, setting, what its first kernel was launched with (after the wrapper's clamps
+to n), programs launched, median ms (CUDA events), × the chosen setting's time, relative difference of the
+outputs. A setting faster than the chosen one by more than the noise is a candidate for the wrapper's default —
+after the GPU tests pass with it (`bash bench/gpu_session.sh check` with the default changed).
 """
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# What the first kernel of a wrapper's call was launched with: rows a tile (BLOCK_N, or BLOCK_K for pass 1's key
+# blocks), tiles a program, warps, stages (absent: Triton's default)
+LAUNCH_KEYWORDS = ("BLOCK_N", "BLOCK_K", "TILES", "num_warps", "num_stages")
 WRAPPERS = ["segment_means_raw", "lq_forward_raw", "lk_forward_raw", "lk_backward_raw", "lq_backward_raw",
             "segment_means_grad", "conv_backward_raw", "conv_raw", "conv_weight_grad_mm"]
 
 
 def variations(chosen: dict) -> list[dict]:
     """The settings tried beside the chosen ones: each setting halved and doubled (rows ≥ 16), warps 4 ↔ 8, and
-    2, 3 or 4 pipeline stages (Triton's default on Hopper is 3)."""
+    2 or 4 pipeline stages (Triton's default on Hopper, 3, is the chosen one's)."""
     out = [{}]
     if "rows" in chosen:
         out += [{"rows": r} for r in (chosen["rows"] // 2, chosen["rows"] * 2) if r >= 16]
@@ -104,7 +108,7 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
 
     def fn():
         return run_once(prepare())
-    programs = [0]
+    programs, launched = [0], []  # programs of the call's launches; the first launch's settings
     if device.type == "cuda":
         from triton.runtime.jit import JITFunction as Launched
     else:
@@ -118,6 +122,8 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
         for size in grid:
             count *= size
         programs[0] += count
+        if not launched:
+            launched.append({k: kw[k] for k in LAUNCH_KEYWORDS if k in kw})
         return launch_run(self, *a, **kw)
     Launched.run = counted
 
@@ -140,8 +146,9 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
             out = [t.detach().double() for t in flat(fn())]  # compiles this setting; its result is checked
             row["diff"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(out, reference))
             programs[0] = 0
+            launched.clear()
             fn()
-            row["programs"] = programs[0]
+            row["programs"], row["launched"] = programs[0], launched[0]
             row["ms"] = time_it(prepare, run_once, device, args.repeat)
         except Exception as exc:  # a refused or failing setting is a row, not the end of the sweep
             row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
@@ -185,8 +192,9 @@ def time_it(prepare, run_once, device, repeat: int) -> float:
 
 def child_argv(args, wrapper: str) -> list[str]:
     return [sys.executable, __file__, "--child", wrapper, "--lengths", *map(str, args.lengths), "--device",
-            args.device, "--tokens", str(args.tokens), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--landmarks",
-            str(args.landmarks), "--conv", str(args.conv), "--dtype", args.dtype, "--repeat", str(args.repeat)]
+            args.device, "--tokens", str(args.tokens), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+            "--landmarks", str(args.landmarks), "--conv", str(args.conv), "--dtype", args.dtype, "--repeat",
+            str(args.repeat)]
 
 
 def main(argv=None):
@@ -225,20 +233,22 @@ def main(argv=None):
             results[wrapper] = {int(n): rows for n, rows in json.loads(lines[-1]).items()}
     for n in args.lengths:
         print(f"\n## n = {n}\n")
-        print("| wrapper | setting | programs | ms | × chosen | rel. diff. |")
-        print("|---|---|---|---|---|---|")
+        print("| wrapper | setting | launched with | programs | ms | × chosen | rel. diff. |")
+        print("|---|---|---|---|---|---|---|")
         for wrapper in args.wrappers:
             if isinstance(results[wrapper], str):
-                print(f"| {wrapper} | (the process failed: {results[wrapper]}) | | | | |")
+                print(f"| {wrapper} | (the process failed: {results[wrapper]}) | | | | | |")
                 continue
             rows = results[wrapper][n]
             base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
             for r in rows:
                 if "error" in r:
-                    print(f"| {wrapper} | {r['setting']} | failed: {r['error']} | | | |")
+                    print(f"| {wrapper} | {r['setting']} | failed: {r['error']} | | | | |")
                     continue
                 ratio = f"{r['ms'] / base:.2f}" if base else "—"
-                print(f"| {wrapper} | {r['setting']} | {r['programs']} | {r['ms']:.3f} | {ratio} | {r['diff']:.1e} |")
+                used = " ".join(f"{k}={v}" for k, v in r["launched"].items())
+                print(f"| {wrapper} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
+                      f"{r['diff']:.1e} |")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors(
 def test_attention_speeds_one_node_variants_run_what_they_name_and_restore_the_switches():
     # The GPU session's comparisons of the one-node layer's variants (bf16 there; here fp32 inputs under the
     # interpreter, which cannot run bf16 products): the conv kernel after pass 2 instead of the conv inside it;
-    # the landmark-sized tensors recomputed in the backward (nothing landmark-sized kept). The same function and
+    # the conv's backward as two kernels instead of one pass (a switch the backward reads: held through it); the
+    # landmark-sized tensors recomputed in the backward (nothing landmark-sized kept). The same function and
     # gradients; the switches restored.
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
@@ -56,9 +57,11 @@ import os, sys, torch
 sys.path.insert(0, "bench")
 import attention_speed as a
 from nystromformer.attention import nystrom_triton as nt
+nt.CONV_BACKWARD_ONE_PASS_MAX_BYTES = 8  # fp32 and fp64 take the conv's one-pass backward, as bf16 on a GPU
 calls = []
-conv_raw = nt.conv_raw
+conv_raw, conv_backward_raw = nt.conv_raw, nt.conv_backward_raw
 nt.conv_raw = lambda *args, **kw: calls.append(kw.get("flip", False)) or conv_raw(*args, **kw)
+nt.conv_backward_raw = lambda *args: calls.append("one-pass") or conv_backward_raw(*args)
 layer = a.build_attention(a.ModelConfig(num_head=2, head_dim=16, transformer_dim=32, num_landmarks=8,
                                         conv_kernel_size=5))
 (q, k, v), mask = a.inputs(2, 67, 2, 16, torch.float32, torch.device("cpu"), 0.0)
@@ -66,20 +69,23 @@ outs, grads, kept = [], [], []
 for name in ("fast-triton-all", "fast-triton-all-conv-apart", "fast-triton-all-conv-bwd-apart",
              "fast-triton-all-recompute"):
     _, fn = a.make_impl(name, layer)
-    out = fn(q, k, v, None)
-    kept.append(sum(t.shape[-2:] == (8, 16) for t in out.grad_fn.saved_tensors if t is not None))
-    grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    with a.module_switches(name):  # held through the backward, as the bench's timing does
+        out = fn(q, k, v, None)
+        kept.append(sum(t.shape[-2:] == (8, 16) for t in out.grad_fn.saved_tensors if t is not None))
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
     outs.append(out.detach())
 diff = max(float((o - outs[0]).abs().max()) for o in outs)
 gdiff = max(float((a - b).abs().max()) for g in grads for a, b in zip(g, grads[0]))
-print(calls, kept, nt.CONV_IN_PASS_2, nt.CONV_BACKWARD_ONE_PASS_MAX_BYTES, os.environ.get("NYSTROM_RECOMPUTE"),
-      diff, gdiff)
+print(str(calls).replace(" ", ""), kept, nt.CONV_IN_PASS_2, nt.CONV_BACKWARD_ONE_PASS_MAX_BYTES,
+      os.environ.get("NYSTROM_RECOMPUTE"), diff, gdiff)
 """
     lines = run_script("-c", script, TRITON_INTERPRET="1")
     calls, kept, switch, one_pass, recompute, diff, gdiff = lines[-1].replace(", ", ",").split(" ")
-    # (fp32: the conv's backward is two kernels in every variant; conv_raw's flipped call is the input gradient's)
-    assert calls == "[True,False,True,True,True]" and kept == "[4,4,4,0]", lines[-1]  # Q̃, K̃, W, Z·W kept, or none
-    assert switch == "True" and one_pass == "2" and recompute == "None", lines[-1]
+    # the conv's backward in one pass except where named apart (the flipped conv, then the taps' kernel); the
+    # conv in pass 2's forward except where named apart (the unflipped conv after it)
+    assert calls == "['one-pass',False,'one-pass',True,'one-pass']", lines[-1]
+    assert kept == "[4,4,4,0]", lines[-1]   # Q̃, K̃, W, Z·W kept, or none
+    assert switch == "True" and one_pass == "8" and recompute == "None", lines[-1]
     assert float(diff) < 1e-5 and float(gdiff) < 1e-4, lines[-1]
 
 
@@ -252,21 +258,31 @@ def test_bytes_moved_counts_each_kernels_loads_and_stores_in_tensors_of_q():
 def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_what_the_chosen_one_does():
     # The GPU sweep's settings, checked here under the interpreter (which ignores warps and stages but runs the
     # tiles as given): each wrapper's chosen settings and every variation give the same outputs up to summation
-    # order, rows and tiles change the programs launched (the override reaches the launch), and the setting
-    # Triton miscompiled on the H100 (pass 1's fp32 backward at 8 warps) is refused, not run.
+    # order; each setting reaches the wrapper's first launch (warps and stages as asked; rows and tiles as asked
+    # or clamped lower to fit n); rows and tiles change the programs launched; and the setting Triton
+    # miscompiled on the H100 (pass 1's fp32 backward at 8 warps) is refused, not run.
     sys.path.insert(0, str(REPO / "bench"))
     import kernel_settings
     lines = run_script("bench/kernel_settings.py", "--device", "cpu", "--tokens", "256", "--lengths", "128",
-                       "--heads", "1", "--head-dim", "16", "--landmarks", "8", "--conv", "5", "--dtype", "fp32",
+                       "--heads", "1", "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32",
                        "--repeat", "1")
     rows = table_rows(lines)
     assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS)
     failed = [(r[0], r[1]) for r in rows if r[2].startswith("failed")]
     assert failed == [("lq_backward_raw", "num_warps=8")], failed
     programs = {}
-    for wrapper, setting, count, ms, ratio, diff in (r for r in rows if not r[2].startswith("failed")):
+    for wrapper, setting, used, count, ms, ratio, diff in (r for r in rows if not r[2].startswith("failed")):
         assert float(diff) < 1e-6, (wrapper, setting, diff)
         programs.setdefault(wrapper, {})[setting] = int(count)
+        launched = dict(item.split("=") for item in used.split())
+        if setting == "chosen":
+            continue
+        key, value = setting.split("=")
+        key = {"rows": "BLOCK_K" if "BLOCK_K" in launched else "BLOCK_N", "tiles": "TILES"}.get(key, key)
+        if key in ("num_warps", "num_stages"):
+            assert launched[key] == value, (wrapper, setting, used)
+        else:
+            assert int(launched[key]) <= int(value), (wrapper, setting, used)  # a halving is never above it
     assert all("chosen" in by_setting for by_setting in programs.values())
     assert programs["lk_forward_raw"]["rows=32"] == 2 * programs["lk_forward_raw"]["chosen"]
     assert programs["lq_backward_raw"]["tiles=4"] == 2 * programs["lq_backward_raw"]["chosen"]

@@ -1459,11 +1459,14 @@ def test_interp_conv_weight_gradient_by_diagonals_is_the_conv2d_weight_gradient(
 def test_interp_conv_backward_in_one_pass_is_the_conv2d_input_and_weight_gradients(n, ks):
     # conv_backward_raw (the one-node layer's): dV += the input gradient (zero at padding) and the taps'
     # gradient, from one pass over g, v and dV; n over one program's 512 rows, a conv 65 wide (its two windows
-    # differ: 128 rows for the input gradient, 256 for the taps'), padding, and g, v, dV with q's strides
+    # differ: 128 rows for the input gradient, 256 for the taps'), padding, and g, v, dV each laid out otherwise
     from nystromformer.attention import nystrom_triton
     att = layer(8, ks)
     (v, g, dv), mask = inputs(2, n, pad=(0, 7), seed=ks)
-    v, g, dv = v.detach().requires_grad_(), g.detach(), dv.detach().clone()
+    # three layouts, so that a stride of one passed for another shows: v as q's heads (a transposed view), g
+    # contiguous, dV a slice of a wider tensor
+    v, g = v.detach().requires_grad_(), g.detach().contiguous()
+    dv = torch.zeros(*dv.shape[:-1], D + 3, dtype=dv.dtype)[..., 1:D + 1].copy_(dv.detach())
     keep = mask.double()
     out = att.conv(v * keep[:, None, :, None])
     dx_ref, dw_ref = torch.autograd.grad(out, (v, att.conv.weight), g)

@@ -1312,7 +1312,7 @@ def _lk_consts(q: torch.Tensor, m: int, backward: bool) -> dict:
                 rows=64 if not backward or q.element_size() <= 2 else 32, num_warps=8,
                 **({"tiles": 8} if backward else {}))
     return dict(BLOCK_N=s["rows"], BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype),
-                **{k: v for k, v in s.items() if k in ("tiles", "num_warps", "num_stages")})
+                **({"tiles": s["tiles"]} if backward else {}), **_warps(s))
 
 
 def lk_forward_raw(q, keep, k_land, zw, v=None, taps=None):
@@ -1555,7 +1555,7 @@ def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps
     accumulation dtype, as ``conv_weight_grad_mm`` (same tiles, same products). v and g of one dtype."""
     b, h, n, d = v.shape
     ks = taps.shape[-1]
-    # 64-row tiles spill at 8 warps in bf16 (52 bytes; 4 warps: 588), 32 do not (ptxas, sm_90); 16 tiles: 512 rows a
+    # 64-row tiles spill at 8 warps in bf16 (52 bytes; more at 4), 32 do not (ptxas, sm_90); 16 tiles: 512 rows a
     # program, as the two kernels it replaces
     s = _launch("conv_backward_raw", rows=32, tiles=16, num_warps=8)
     block_n = s["rows"]
