@@ -86,7 +86,7 @@ stage_attention() {
 stage_settings() {
   # rows a tile, tiles a program, warps, stages of the wrappers over the n-long tensors (bench/bytes_moved.py: the
   # layer's bytes are ~1.9x the floor's, its time 7.1x): each wrapper in its own process, outputs checked
-  local d=$RESULTS/settings; mkdir -p "$d"
+  local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"  # ~70 settings to compile: give it a call
   limited "$python" bench/kernel_settings.py --lengths 4096 65536 | tee "$d/kernel-settings.md"
 }
 

@@ -15,10 +15,11 @@ the chosen one does (relative difference of all outputs; settings only reorder s
 
 Each wrapper runs in a process of its own, for every length (each setting compiles once): on a GPU a setting
 Triton compiles wrong can fault and take the CUDA context with it — that wrapper's rows say so, the others still
-run. One table per length: wrapper, setting, what its first kernel was launched with (after the wrapper's clamps
-to n), programs launched, median ms (CUDA events), × the chosen setting's time, relative difference of the
-outputs. A setting faster than the chosen one by more than the noise is a candidate for the wrapper's default —
-after the GPU tests pass with it (`bash bench/gpu_session.sh check` with the default changed).
+run. One table, a wrapper's rows printed as its process ends (a run cut off keeps them): wrapper, n, setting,
+what its first kernel was launched with (after the wrapper's clamps to n), programs launched, median ms (CUDA
+events), × the chosen setting's time, relative difference of the outputs. A setting faster than the chosen one
+by more than the noise is a candidate for the wrapper's default — after the GPU tests pass with it
+(`bash bench/gpu_session.sh check` with the default changed).
 """
 from __future__ import annotations
 
@@ -223,33 +224,27 @@ def main(argv=None):
     print(f"# launch settings swept, {args.dtype}, {args.tokens:,} tokens a batch, {args.heads} heads × "
           f"{args.head_dim}, {args.landmarks} landmarks, conv {args.conv}, on {args.device}"
           + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else ""))
-    results = {}
+    # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
+    print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
+    print("|---|---|---|---|---|---|---|---|")
     for wrapper in args.wrappers:
         proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
-            results[wrapper] = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
-        else:
-            results[wrapper] = {int(n): rows for n, rows in json.loads(lines[-1]).items()}
-    for n in args.lengths:
-        print(f"\n## n = {n}\n")
-        print("| wrapper | setting | launched with | programs | ms | × chosen | rel. diff. |")
-        print("|---|---|---|---|---|---|---|")
-        for wrapper in args.wrappers:
-            if isinstance(results[wrapper], str):
-                print(f"| {wrapper} | (the process failed: {results[wrapper]}) | | | | | |")
-                continue
-            rows = results[wrapper][n]
+            failure = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
+            print(f"| {wrapper} | | (the process failed: {failure}) | | | | | |", flush=True)
+            continue
+        for n, rows in json.loads(lines[-1]).items():
             base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
             for r in rows:
                 if "error" in r:
-                    print(f"| {wrapper} | {r['setting']} | failed: {r['error']} | | | | |")
+                    print(f"| {wrapper} | {n} | {r['setting']} | failed: {r['error']} | | | | |")
                     continue
                 ratio = f"{r['ms'] / base:.2f}" if base else "—"
                 used = " ".join(f"{k}={v}" for k, v in r["launched"].items())
-                print(f"| {wrapper} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
+                print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
                       f"{r['diff']:.1e} |")
-
+        sys.stdout.flush()
 
 if __name__ == "__main__":
     main()

@@ -267,7 +267,8 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
                        "--heads", "1", "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32",
                        "--repeat", "1")
     rows = table_rows(lines)
-    assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS)
+    assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS) and {r[1] for r in rows} == {"128"}
+    rows = [[r[0]] + r[2:] for r in rows]  # without n
     failed = [(r[0], r[1]) for r in rows if r[2].startswith("failed")]
     assert failed == [("lq_backward_raw", "num_warps=8")], failed
     programs = {}
