@@ -1530,17 +1530,28 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     b, h, n, d = v.shape
     ks = weight_shape[2]
     s = _launch("conv_weight_grad_mm", rows=64, tiles=8, num_warps=8)
-    block_n = s["rows"]
-    tiles = min(s["tiles"], _cdiv(n, block_n))
-    nprog = _cdiv(n, block_n * tiles)
-    block_t = _pow2(ks)
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-    part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
-    _dwconv_wgrad_mm_kernel[(b * h, nprog)](
+    block_n, tiles, part = _taps_partials(v, ks, s)
+    block_t = part.shape[-1]
+    _dwconv_wgrad_mm_kernel[(b * h, part.shape[1])](
         v, *v.stride(), keep, g, *g.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
         WIN=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
-        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, **_warps(s))
-    return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2)).reshape(weight_shape)
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=part.dtype == torch.float64, **_warps(s))
+    return _taps_sum(part, b, h, ks).reshape(weight_shape)
+
+
+def _taps_partials(v: torch.Tensor, ks: int, settings: dict) -> tuple[int, int, torch.Tensor]:
+    """A taps'-gradient launch's rows a tile and tiles a program (from ``_launch``'s settings, tiles clamped to n),
+    and its per-program partial sums to write, (b·h, programs, pow2(ks)) in the accumulation dtype."""
+    b, h, n, _ = v.shape
+    block_n = settings["rows"]
+    tiles = min(settings["tiles"], _cdiv(n, block_n))
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    return block_n, tiles, torch.empty(b * h, _cdiv(n, block_n * tiles), _pow2(ks), device=v.device, dtype=acc)
+
+
+def _taps_sum(part: torch.Tensor, b: int, h: int, ks: int) -> torch.Tensor:
+    """The taps' gradient (h, ks): ``_taps_partials``' per-program partials summed over the batch and programs."""
+    return part[..., :ks].reshape(b, h, part.shape[1], ks).sum(dim=(0, 2))
 
 
 # The conv's backward in one pass (conv_backward_raw) for 16-bit inputs only: at 32/64 bits its tiles need 137–250
@@ -1558,17 +1569,13 @@ def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps
     # 64-row tiles spill at 8 warps in bf16 (52 bytes; more at 4), 32 do not (ptxas, sm_90); 16 tiles: 512 rows a
     # program, as the two kernels it replaces
     s = _launch("conv_backward_raw", rows=32, tiles=16, num_warps=8)
-    block_n = s["rows"]
-    tiles = min(s["tiles"], _cdiv(n, block_n))
-    nprog = _cdiv(n, block_n * tiles)
-    block_t = _pow2(ks)
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-    part = torch.empty(b * h, nprog, block_t, device=v.device, dtype=acc)
-    _dwconv_bwd_kernel[(b * h, nprog)](
+    block_n, tiles, part = _taps_partials(v, ks, s)
+    block_t = part.shape[-1]
+    _dwconv_bwd_kernel[(b * h, part.shape[1])](
         g, *g.stride(), v, *v.stride(), keep, taps, dv, *dv.stride(), part, h, n, d, KS=ks, BLOCK_N=block_n,
         WIN=_pow2(block_n + ks - 1), WIN_T=_pow2(block_n + block_t - 1), BLOCK_T=block_t, BLOCK_D=_block(d),
-        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=acc == torch.float64, **_warps(s))
-    return part[..., :ks].reshape(b, h, nprog, ks).sum(dim=(0, 2))
+        TILES=tiles, PREC=_dot_precision(v.dtype), IS_F64=part.dtype == torch.float64, **_warps(s))
+    return _taps_sum(part, b, h, ks)
 
 
 def conv_taps(weight: torch.Tensor) -> torch.Tensor:
