@@ -143,7 +143,7 @@ class Traffic:
 
 
 def measure(n: int, dtype: torch.dtype, pad: bool, m: int = 64, d: int = 64, conv: int = 33, seed: int = 0):
-    """One forward + backward of the one-node layer on one (batch, head): (table rows, output, gradients)."""
+    """One forward + backward of the one-node layer on one (batch, head): the table's rows (``Traffic.table``)."""
     from nystromformer.attention import nystrom_fast
     g = torch.Generator().manual_seed(seed)
     leaves = [torch.randn(1, n, 1, d, generator=g).to(dtype).requires_grad_() for _ in range(3)]
@@ -166,7 +166,7 @@ def measure(n: int, dtype: torch.dtype, pad: bool, m: int = 64, d: int = 64, con
         out = layer()
         traffic.phase = "backward"
         out.backward(grad)
-    return traffic.table(n * d * leaves[0].element_size()), out, [t.grad for t in leaves + [weight]]
+    return traffic.table(n * d * leaves[0].element_size())
 
 
 def main(argv=None):
@@ -183,7 +183,7 @@ def main(argv=None):
           f"head_dim 64, 64 landmarks, conv 33, {'a quarter padded' if args.pad else 'no padding'}; in units of one "
           f"b·h·n·d tensor of q's dtype (issue #6's floor: {FLOOR_TENSORS}); counted under Triton's interpreter")
     for n in args.lengths:
-        rows, _, _ = measure(n, dtype, args.pad)
+        rows = measure(n, dtype, args.pad)
         print(f"\n## n = {n}\n")
         print("| kernel | phase | launches | read: unique / requested | written: unique / requested |")
         print("|---|---|---|---|---|")
