@@ -95,7 +95,7 @@ def configs(dt: str, prec: str, wide: bool):
     for low in (True, False):
         yield ("pass 1 combine" + ("" if low else ", fp32 W only"), nt._lq_combine_kernel,
                dict(ACC="*fp32", MAX="*fp32", SUM="*fp32", OUT="*fp32", OUT_LOW=p, LSE="*fp32", M=I32, D=I32),
-               dict(NPROG=128, BLOCK_M=64, BLOCK_D=64, HAS_LOW=low), 4)                # n = 65,536 at bf16
+               dict(NPROG=128, BLOCK_M=64, BLOCK_D=64, ROWS=4, PARTS=16, HAS_LOW=low), 4)  # n = 65,536, bf16
     for one_node in (False, True):  # the one-node layer adds K's segment-means gradient into dK
         yield ("pass 1 backward" + (" + K's segment-means gradient" if one_node else ""), nt._lq_bwd_kernel,
                dict(**lq, DW=p, LSE="*fp32", WF="*fp32", DK=p, **strides("sgkb", "sgkh", "sgkn", "sgkd"), DV=p,

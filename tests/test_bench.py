@@ -268,6 +268,13 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
                        "--repeat", "1")
     rows = table_rows(lines)
     assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS) and {r[1] for r in rows} == {"128"}
+    # pass 1's combine runs only with several key programs a (batch, head): fp32 at 600 has 3 (256 keys each)
+    assert [r[2:4] for r in rows if r[0] == "lq_combine"] == [["chosen", "failed: not launched by lq_forward_raw "
+                                                                          "at n = 128"]]
+    rows = [r for r in rows if r[0] != "lq_combine"] + table_rows(run_script(
+        "bench/kernel_settings.py", "--device", "cpu", "--tokens", "600", "--lengths", "600", "--heads", "1",
+        "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32", "--repeat", "1",
+        "--wrappers", "lq_combine"))
     rows = [[r[0]] + r[2:] for r in rows]  # without n
     failed = [(r[0], r[1]) for r in rows if r[2].startswith("failed")]
     assert failed == [("lq_backward_raw", "num_warps=8")], failed
@@ -279,7 +286,8 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
         if setting == "chosen":
             continue
         key, value = setting.split("=")
-        key = {"rows": "BLOCK_K" if "BLOCK_K" in launched else "BLOCK_N", "tiles": "TILES"}.get(key, key)
+        key = {"rows": next(k for k in ("BLOCK_K", "BLOCK_N", "ROWS") if k in launched), "tiles": "TILES",
+               "parts": "PARTS"}.get(key, key)
         if key in ("num_warps", "num_stages"):
             assert launched[key] == value, (wrapper, setting, used)
         else:
@@ -288,3 +296,5 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     assert programs["lk_forward_raw"]["rows=32"] == 2 * programs["lk_forward_raw"]["chosen"]
     assert programs["lq_backward_raw"]["tiles=4"] == 2 * programs["lq_backward_raw"]["chosen"]
     assert programs["segment_means_grad"]["rows=64"] * 2 == programs["segment_means_grad"]["chosen"]
+    # pass 1 (3 programs) and its combine: 16 landmark rows (2 padded) in programs of 4, 2 or 8
+    assert [programs["lq_combine"][s] for s in ("chosen", "rows=2", "rows=8")] == [3 + 4, 3 + 8, 3 + 2]

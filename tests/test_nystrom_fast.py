@@ -971,6 +971,34 @@ def test_interp_one_node_adds_the_k_means_gradient_in_pass_1_or_in_a_pass_of_its
 
 
 @needs_interpreter
+@pytest.mark.parametrize("m,n,setting", [(8, 2100, {"rows": 4, "parts": 16}),   # the chosen: 66 partials, 5 loads
+                                         (5, 2100, {"rows": 2, "parts": 4}),    # m not a power of two
+                                         (8, 2100, {"rows": 64, "parts": 1})])  # as before: 1 program, 1 by 1
+def test_interp_pass_1_combine_over_many_key_programs_is_softmax_attention_of_the_landmark_queries(m, n, setting,
+                                                                                                    monkeypatch):
+    # Pass 1 split over keys (1 key block a program: 66 programs at n = 2,100 in fp64), and its combine in
+    # programs of `rows` landmark rows reading `parts` partials a load (the last load part-empty): W and its
+    # log-sum-exp are softmax(Q̃Kᵀ/√d + bias)·V's, also with a whole key block padded (its partial has no weight).
+    from nystromformer.attention import nystrom_triton as nt
+    g = torch.Generator().manual_seed(m)
+    b = 2
+    q_land, k, v = (torch.randn(b, H, rows, D, generator=g, dtype=torch.float64) for rows in (m, n, n))
+    keep = torch.ones(b, n, dtype=torch.float64)
+    keep[1, 40:900] = 0                       # keys 40..899 of row 1: whole blocks of 32 keys padded
+    bias = (1.0 - keep) * torch.finfo(torch.float64).min
+    monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_forward_raw", {"tiles": 1})
+    monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_combine", setting)
+    grids, combine = [], nt._lq_combine_kernel
+    monkeypatch.setattr(nt, "_lq_combine_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or combine[grid]})())
+    out, lse, out_low = nt.lq_forward_raw(q_land, k, v, bias)
+    scores = q_land @ k.transpose(-1, -2) * D ** -0.5 + bias[:, None, None, :]
+    assert rel(out, torch.softmax(scores, -1) @ v) < FP64_TOL and torch.equal(out, out_low)
+    assert rel(lse, torch.logsumexp(scores, -1)) < FP64_TOL
+    assert grids == [(b * H, 16 // min(setting["rows"], 16))]           # BLOCK_M = 16 for m ≤ 16
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n,combines_sums", [(67, (0, 0)), (300, (1, 1)), (600, (1, 2))])
 def test_interp_one_node_with_one_program_per_row_launches_no_combine_and_no_sum_of_partials(n, combines_sums,
                                                                                              monkeypatch):
