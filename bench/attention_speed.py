@@ -25,10 +25,14 @@ weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memo
 allocated before the pass (inputs excluded). "x floor": time over the bandwidth floor — the bytes fwd+bwd must
 move at least (read q, k, v, write out; read grad-out, q, k, v, out, write dq, dk, dv: 12 tensors of
 tokens·h·d elements) over the device-to-device copy bandwidth measured at start. "err": relative error of the
-output against the fp32 reference on the first batch element (--check).
+output against the fp32 reference on the first batch element (--check). --graphs (CUDA): the same forward+backward
+also captured once as a CUDA graph and replayed (median of --repeat, L2 flushed), so no host time sits between
+its launches — the kernels' own time, and what training gets with `gpu_setting.compile: reduce-overhead`; its
+ratios are to SDPA's graph and to the floor. A capture that fails is named under the table.
 
     python bench/attention_speed.py                          # CUDA, issue #6's lengths, one table
     python bench/attention_speed.py --csv out.csv --plot docs/img/attention_speed.png --check
+    python bench/attention_speed.py --graphs --impls sdpa fast-triton-all   # eager and CUDA-graph times
     python bench/attention_speed.py --device cpu --tokens 4096 --lengths 256 1024 --repeat 3   # smoke test
 """
 from __future__ import annotations
@@ -182,13 +186,47 @@ def run_with_switches(name, layer, b, n, args, device, flush):
         time_once(fn, (q, k, v, mask), grad, params, device, flush)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = [time_once(fn, (q, k, v, mask), grad, params, device, flush) for _ in range(args.repeat)]
+    graphed = None
+    if args.graphs and device.type == "cuda":
+        graphed = time_graphed(fn, (q, k, v, mask), grad, params, flush, args.repeat)
     err = None
     if args.check and name != "sdpa":
         with torch.no_grad():
             q1, k1, v1 = (t[:1].float() for t in (q, k, v))
             ref = layer.reference_forward(q1, k1, v1, mask[:1])
             err = ((fn(q[:1], k[:1], v[:1], mask[:1]).float() - ref).norm() / ref.norm()).item()
-    return statistics.median(times), peak, err
+    return statistics.median(times), peak, err, graphed
+
+
+def time_graphed(fn, args, grad, params, flush, repeat):
+    """Median ms of one forward+backward captured as a CUDA graph and replayed: the launches' device time with no
+    host work between them (what `gpu_setting.compile: reduce-overhead` gives training), or the capture's error."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream before capturing, as torch.cuda.graph asks
+        for _ in range(2):
+            torch.autograd.grad(fn(*args), params, grad)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            torch.autograd.grad(fn(*args), params, grad)
+        times = []
+        for _ in range(repeat):
+            flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            graph.replay()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times)
+    except Exception as exc:  # a capture that fails is a note under the table, not the end of the run
+        torch.cuda.synchronize()
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+    finally:
+        del graph
+        torch.cuda.empty_cache()
 
 
 def kernel_breakdown(name, layer, b, n, args, device, rows=14):
@@ -225,6 +263,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--check", action="store_true", help="also report relative error vs the fp32 reference")
+    ap.add_argument("--graphs", action="store_true",
+                    help="CUDA: also time each forward+backward replayed as one CUDA graph (no host time between "
+                         "launches), with its ratios to SDPA's graph and to the floor")
     ap.add_argument("--kernels", nargs="*", metavar="IMPL",
                     help="after the table, a per-kernel CUDA time breakdown (torch.profiler) of one fwd+bwd of "
                          "these implementations at each length")
@@ -232,6 +273,8 @@ def main(argv=None):
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.graphs and device.type != "cuda":
+        ap.error("--graphs needs a CUDA device (CUDA graphs)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -241,33 +284,46 @@ def main(argv=None):
     layer = build_attention(cfg).to(device)
     bandwidth = measure_bandwidth(device)
     flush = torch.empty(64 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-    rows = []
+    rows, graph_errors = [], []
     for n in args.lengths:
         b = max(1, args.tokens // n)
-        sdpa_ms = None
+        sdpa_ms = sdpa_graph_ms = None
         for name in args.impls:
             try:
-                ms, peak, err = run(name, layer, b, n, args, device, flush)
+                ms, peak, err, graphed = run(name, layer, b, n, args, device, flush)
             except torch.OutOfMemoryError:
-                ms = peak = err = None
+                ms = peak = err = graphed = None
                 torch.cuda.empty_cache()
+            if isinstance(graphed, str):
+                graph_errors.append(f"{name} at n = {n}: {graphed}")
+                graphed = None
             if name == "sdpa":
-                sdpa_ms = ms
+                sdpa_ms, sdpa_graph_ms = ms, graphed
             elem = 4 if name in ("paper-fp32",) or name.endswith("fp32") else 2
             floor_ms = 12 * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth else None
-            rows.append(dict(n=n, batch=b, impl=name, ms=ms, peak_mib=peak,
-                             vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),
-                             x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err))
+            row = dict(n=n, batch=b, impl=name, ms=ms, peak_mib=peak,
+                       vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),
+                       x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err)
+            if args.graphs:
+                row.update(graph_ms=graphed, graph_vs_sdpa=(graphed / sdpa_graph_ms if graphed and sdpa_graph_ms
+                                                            else None),
+                           graph_x_floor=(graphed / floor_ms if graphed and floor_ms else None))
+            rows.append(row)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# attention fwd+bwd, {args.tokens} tokens/batch, h={args.heads}, d={args.head_dim}, m={args.landmarks}, "
           f"conv={args.conv}, pad={args.pad}, device={dev}, torch {torch.__version__}"
           + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-    print("| n | batch | impl | ms | × SDPA | × floor | peak MiB | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
+    graph_head = " graph ms | × SDPA's graph | × floor (graph) |" if args.graphs else ""
+    print("| n | batch | impl | ms | × SDPA | × floor | peak MiB | rel err |" + graph_head)
+    print("|---|---|---|---|---|---|---|---|" + "---|" * graph_head.count("|"))
     for r in rows:
+        graph_cells = (f" {fmt(r['graph_ms'], '.3f')} | {fmt(r['graph_vs_sdpa'], '.3f')} | "
+                       f"{fmt(r['graph_x_floor'], '.1f')} |" if args.graphs else "")
         print(f"| {r['n']} | {r['batch']} | {r['impl']} | {fmt(r['ms'], '.3f')} | {fmt(r['vs_sdpa'], '.3f')} | "
-              f"{fmt(r['x_floor'], '.1f')} | {fmt(r['peak_mib'], '.0f')} | {fmt(r['rel_err'], '.1e')} |")
+              f"{fmt(r['x_floor'], '.1f')} | {fmt(r['peak_mib'], '.0f')} | {fmt(r['rel_err'], '.1e')} |" + graph_cells)
+    for note in graph_errors:
+        print(f"\nCUDA graph not captured: {note}")
     for name in args.kernels or []:
         for n in args.lengths:
             print(f"\n# kernels of {name}, n={n}, batch={max(1, args.tokens // n)} (one fwd+bwd, self CUDA time)")

@@ -81,6 +81,10 @@ stage_attention() {
   limited "$python" bench/attention_speed.py --impls sdpa fast-triton-all fast-triton-all-conv-apart \
     fast-triton-all-conv-bwd-apart fast-triton-all-recompute --lengths 512 4096 65536 --check \
     | tee "$d/one-node-variants.md"
+  # the same forward+backward replayed as one CUDA graph: the kernels' own time, without the host's between
+  # launches (on 2026-11-23 the profiler's kernel sums were 1.9-2.0 ms at n >= 4096, the timed 3.0-3.8 ms)
+  limited "$python" bench/attention_speed.py --graphs --impls sdpa fast-triton fast-triton-all \
+    | tee "$d/attention-graphs.md"
 }
 
 stage_settings() {

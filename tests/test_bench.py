@@ -44,6 +44,13 @@ def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors(
             assert float(err) < 1e-2      # bf16 against the fp32 reference
 
 
+def test_attention_speed_asked_for_cuda_graphs_without_cuda_says_so():
+    # --graphs (eager and CUDA-graph times side by side) is for the GPU stage; here a clear refusal, not a crash
+    proc = subprocess.run([sys.executable, "bench/attention_speed.py", "--device", "cpu", "--graphs"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--graphs needs a CUDA device" in proc.stderr, proc.stderr[-500:]
+
+
 def test_attention_speeds_one_node_variants_run_what_they_name_and_restore_the_switches():
     # The GPU session's comparisons of the one-node layer's variants (bf16 there; here fp32 inputs under the
     # interpreter, which cannot run bf16 products): the conv kernel after pass 2 instead of the conv inside it;

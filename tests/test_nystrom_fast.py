@@ -701,6 +701,46 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
     assert peaks[1] < 5 * peaks[0], peaks   # 4× the tokens: linear would be 4×; quadratic 16×
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl,dtype", [("triton-all", torch.bfloat16), ("triton-all", torch.float32),
+                                        ("triton", torch.bfloat16), ("torch", torch.bfloat16)])
+def test_gpu_forward_and_backward_replayed_as_a_cuda_graph_give_the_eager_gradients(impl, dtype, monkeypatch):
+    # What `--graphs` in bench/attention_speed.py times and `compile: reduce-overhead` relies on: the layer's
+    # forward + backward captured once (no host sync, no host-side value baked in) and replayed on new inputs
+    # copied into the captured ones gives eager's output and gradients. n = 1,000 with padding: several key
+    # programs, pass 1's combine, the sums of partials.
+    use_triton = _gpu_impl(impl, monkeypatch)
+    att = layer(64, 33, dtype=torch.float32).cuda()
+    (q, k, v), mask = inputs(2, 1000, dtype=dtype, pad=(0, 137), device="cuda")
+    w = att.conv.weight
+    params = [q, k, v, w]
+
+    def step():
+        out = nystrom_fast.forward(q, k, v, mask, num_landmarks=64, conv_weight=w, use_triton=use_triton)
+        return (out, *torch.autograd.grad(out, params, g))
+    g = torch.randn(2, H, 1000, D, device="cuda", dtype=dtype)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2):   # new values in the captured inputs: the replay must read them
+        (q2, k2, v2), _ = inputs(2, 1000, dtype=dtype, pad=(0, 137), device="cuda", seed=seed)
+        with torch.no_grad():
+            for t, new in zip((q, k, v), (q2, k2, v2)):
+                t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for a, b in zip(captured, eager):   # the kernels sum in a fixed order; SDPA's backward may not
+            assert rel(a, b) <= (1e-6 if use_triton else 1e-3), (seed, rel(a, b))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("padded,overlap", [(False, False), (True, False), (False, True)])
 def test_interp_compiled_model_with_the_kernels_is_the_eager_model(padded, overlap, monkeypatch):
