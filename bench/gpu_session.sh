@@ -10,6 +10,7 @@
 #                                         # iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh settings    # the n-long kernels' launch settings swept, each wrapper alone
+#   bash bench/gpu_session.sh tuned       # the sweep's best settings in force: GPU tests, attention, training
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
 #   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
@@ -40,7 +41,7 @@ limited() {
   if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
   timeout "$(( left < limit ? left : limit ))" "$@"
 }
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings model loop compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings tuned model loop compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -91,7 +92,22 @@ stage_settings() {
   # rows a tile, tiles a program, warps, stages of the wrappers over the n-long tensors (bench/bytes_moved.py: the
   # layer's bytes are ~1.9x the floor's, its time 7.1x): each wrapper in its own process, outputs checked
   local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"  # ~70 settings to compile: give it a call
-  limited "$python" bench/kernel_settings.py --lengths 4096 65536 | tee "$d/kernel-settings.md"
+  limited "$python" bench/kernel_settings.py --lengths 4096 65536 --best "$d/best.json" | tee "$d/kernel-settings.md"
+}
+
+stage_tuned() {
+  # the settings stage's best.json in force (NYSTROM_LAUNCH_SETTINGS): the GPU tests of the fast path first, then
+  # the attention table (eager and CUDA graph) and the bf16 training step at 512, to set beside the chosen ones'
+  local d=$RESULTS/tuned best=$RESULTS/settings/best.json; mkdir -p "$d"
+  [ -s "$best" ] || { echo "=== tuned: no $best (run the settings stage first)"; return 1; }
+  cp "$best" "$d/best.json"
+  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" -m pytest -q -rs -x -p no:cacheprovider \
+    tests/test_nystrom_fast.py -m gpu 2>&1 | tee "$d/gpu-tests.txt" | tail -n 5
+  grep -q " passed" "$d/gpu-tests.txt" && ! grep -q "failed" "$d/gpu-tests.txt" || return 1
+  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/attention_speed.py --graphs \
+    --impls sdpa fast-triton-all | tee "$d/attention.md"
+  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/model_speed.py --seq-len 512 --batch 32 \
+    --attention-fp32 false --models nystrom-all softmax | tee "$d/model-512.md"
 }
 
 stage_model() {

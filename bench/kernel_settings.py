@@ -150,7 +150,7 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
         nt.LAUNCH_OVERRIDES.clear()
         if override:
             nt.LAUNCH_OVERRIDES[wrapper] = override
-        row = {"setting": setting_label(override)}
+        row = {"setting": setting_label(override), "override": override}
         try:
             out = [t.detach().double() for t in flat(fn())]  # compiles this setting; its result is checked
             row["diff"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(out, reference))
@@ -218,6 +218,11 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["bf16", "fp32", "fp64"], default="bf16")
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--wrappers", nargs="+", choices=WRAPPERS, default=WRAPPERS)
+    ap.add_argument("--best", metavar="FILE",
+                    help="write each wrapper's fastest setting (by the geometric mean over the lengths of × chosen, "
+                         "if below --margin, and computing what the chosen one does at every length) as a "
+                         "NYSTROM_LAUNCH_SETTINGS file")
+    ap.add_argument("--margin", type=float, default=0.97, help="a setting must time below this × chosen (noise)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device is None:
@@ -235,6 +240,7 @@ def main(argv=None):
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
     print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
     print("|---|---|---|---|---|---|---|---|")
+    swept = {}
     for wrapper in args.wrappers:
         proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
         lines = proc.stdout.strip().splitlines()
@@ -242,7 +248,8 @@ def main(argv=None):
             failure = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
             print(f"| {wrapper} | | (the process failed: {failure}) | | | | | |", flush=True)
             continue
-        for n, rows in json.loads(lines[-1]).items():
+        swept[wrapper] = json.loads(lines[-1])
+        for n, rows in swept[wrapper].items():
             base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
             for r in rows:
                 if "error" in r:
@@ -253,6 +260,38 @@ def main(argv=None):
                 print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
                       f"{r['diff']:.1e} |")
         sys.stdout.flush()
+    if args.best:
+        best = best_settings(swept, args.margin)
+        Path(args.best).write_text(json.dumps({w: o for w, (o, _) in best.items()}, indent=1, sort_keys=True) + "\n")
+        print(f"\n# the fastest setting of each wrapper below {args.margin} × chosen (geometric mean over n = "
+              f"{', '.join(map(str, args.lengths))}), written to {args.best} for NYSTROM_LAUNCH_SETTINGS:")
+        for wrapper, (override, score) in best.items():
+            print(f"- {wrapper}: {setting_label(override)} ({score:.2f} × chosen)")
+        if not best:
+            print("- none: every wrapper keeps its chosen settings")
+
+
+def best_settings(swept: dict, margin: float, max_diff: float = 1e-2) -> dict:
+    """{wrapper: (override, geometric mean of × chosen)} for the fastest setting of each wrapper that ran at every
+    length, computed what the chosen one does there (relative difference ≤ ``max_diff``: bf16 outputs of sums in
+    another order) and timed below ``margin`` × chosen."""
+    best = {}
+    for wrapper, by_n in swept.items():
+        scores, ran = {}, 0
+        for rows in by_n.values():
+            base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
+            ran += base is not None or any(r["setting"] != "chosen" for r in rows)  # not "not launched at this n"
+            for r in rows:
+                if r["setting"] == "chosen":
+                    continue
+                ok = base and "ms" in r and r["diff"] <= max_diff
+                scores.setdefault(r["setting"], (r["override"], []))[1].append(r["ms"] / base if ok else None)
+        ranked = sorted((statistics.geometric_mean(ratios), label) for label, (_, ratios) in scores.items()
+                        if len(ratios) == ran and None not in ratios)
+        if ranked and ranked[0][0] < margin:
+            best[wrapper] = (scores[ranked[0][1]][0], ranked[0][0])
+    return best
+
 
 if __name__ == "__main__":
     main()

@@ -261,8 +261,31 @@ def test_bytes_moved_counts_each_kernels_loads_and_stores_in_tensors_of_q():
     assert any(line.startswith("read + written:") and "× issue #6's floor of 9" in line for line in lines)
 
 
+def test_kernel_settings_best_is_the_fastest_setting_that_ran_and_agreed_at_every_length_below_the_margin():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import best_settings
+
+    def row(setting, ms, diff=0.0, error=None):
+        override = {} if setting == "chosen" else dict([(setting.split("=")[0], int(setting.split("=")[1]))])
+        return {"setting": setting, "override": override, **({"error": error} if error else {"ms": ms, "diff": diff})}
+    swept = {
+        "conv_raw": {"4096": [row("chosen", 1.0), row("rows=32", 0.8), row("tiles=4", 0.5, diff=0.2)],
+                     "65536": [row("chosen", 2.0), row("rows=32", 1.8), row("tiles=4", 0.5)]},
+        "lq_backward_raw": {"4096": [row("chosen", 1.0), row("num_warps=8", 0.5, error="ValueError: refused")],
+                            "65536": [row("chosen", 1.0), row("num_warps=8", 0.5)]},
+        "lk_forward_raw": {"4096": [row("chosen", 1.0), row("rows=32", 0.98)]},          # within the noise
+        "lq_combine": {"512": [row("chosen", None, error="not launched by lq_forward_raw at n = 512")],
+                       "4096": [row("chosen", 1.0), row("parts=8", 0.5)]},
+    }
+    best = best_settings(swept, margin=0.97)
+    assert best.keys() == {"conv_raw", "lq_combine"}
+    # tiles=4 is faster but off by 20% at 4096; rows=32: 0.8 and 0.9 × chosen, geometric mean 0.85
+    assert best["conv_raw"][0] == {"rows": 32} and abs(best["conv_raw"][1] - (0.8 * 0.9) ** 0.5) < 1e-12
+    assert best["lq_combine"] == ({"parts": 8}, 0.5)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
-def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_what_the_chosen_one_does():
+def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_what_the_chosen_one_does(tmp_path):
     # The GPU sweep's settings, checked here under the interpreter (which ignores warps and stages but runs the
     # tiles as given): each wrapper's chosen settings and every variation give the same outputs up to summation
     # order; each setting reaches the wrapper's first launch (warps and stages as asked; rows and tiles as asked
@@ -270,9 +293,14 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     # miscompiled on the H100 (pass 1's fp32 backward at 8 warps) is refused, not run.
     sys.path.insert(0, str(REPO / "bench"))
     import kernel_settings
+    best = tmp_path / "best.json"
     lines = run_script("bench/kernel_settings.py", "--device", "cpu", "--tokens", "256", "--lengths", "128",
                        "--heads", "1", "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32",
-                       "--repeat", "1")
+                       "--repeat", "1", "--best", str(best), "--margin", "1e9")
+    # with any time accepted, every wrapper that ran gets its fastest setting, in a file the layer can read
+    from nystromformer.attention import nystrom_fast
+    written = nystrom_fast._read_launch_settings(str(best))
+    assert set(written) == set(kernel_settings.WRAPPERS) - {"lq_combine"}   # not launched at n = 128
     rows = table_rows(lines)
     assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS) and {r[1] for r in rows} == {"128"}
     # pass 1's combine runs only with several key programs a (batch, head): fp32 at 600 has 3 (256 keys each)

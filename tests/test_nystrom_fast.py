@@ -7,6 +7,7 @@
   process they show as skipped and one driver test runs them.
 * GPU (``-m gpu``): the CUDA path in bf16 and fp32 against the reference on fp64 copies; skipped without CUDA.
 """
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from nystromformer.attention import build_attention, nystrom_fast
-from nystromformer.attention.nystrom import iterative_pinv, pinv_init, segment_means, use_fast_path
+from nystromformer.attention.nystrom import (AttentionSettingError, iterative_pinv, pinv_init, segment_means,
+                                            use_fast_path)
 from nystromformer.config import ModelConfig
 
 H, D = 3, 16
@@ -1011,11 +1013,13 @@ def test_interp_one_node_adds_the_k_means_gradient_in_pass_1_or_in_a_pass_of_its
 
 
 @needs_interpreter
-@pytest.mark.parametrize("m,n,setting", [(8, 2100, {"rows": 4, "parts": 16}),   # the chosen: 66 partials, 5 loads
-                                         (5, 2100, {"rows": 2, "parts": 4}),    # m not a power of two
-                                         (8, 2100, {"rows": 64, "parts": 1})])  # as before: 1 program, 1 by 1
-def test_interp_pass_1_combine_over_many_key_programs_is_softmax_attention_of_the_landmark_queries(m, n, setting,
-                                                                                                    monkeypatch):
+@pytest.mark.parametrize("m,n,setting,via", [
+    (8, 2100, {"rows": 4, "parts": 16}, "override"),   # the chosen: 66 partials, 5 loads
+    (5, 2100, {"rows": 2, "parts": 4}, "override"),    # m not a power of two
+    (8, 2100, {"rows": 64, "parts": 1}, "override"),   # as before: 1 program, 1 by 1
+    (8, 2100, {"rows": 8, "parts": 2}, "file")])       # from a NYSTROM_LAUNCH_SETTINGS file
+def test_interp_pass_1_combine_over_many_key_programs_is_softmax_attention_of_the_landmark_queries(
+        m, n, setting, via, monkeypatch, tmp_path):
     # Pass 1 split over keys (1 key block a program: 66 programs at n = 2,100 in fp64), and its combine in
     # programs of `rows` landmark rows reading `parts` partials a load (the last load part-empty): W and its
     # log-sum-exp are softmax(Q̃Kᵀ/√d + bias)·V's, also with a whole key block padded (its partial has no weight).
@@ -1026,8 +1030,12 @@ def test_interp_pass_1_combine_over_many_key_programs_is_softmax_attention_of_th
     keep = torch.ones(b, n, dtype=torch.float64)
     keep[1, 40:900] = 0                       # keys 40..899 of row 1: whole blocks of 32 keys padded
     bias = (1.0 - keep) * torch.finfo(torch.float64).min
-    monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_forward_raw", {"tiles": 1})
-    monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_combine", setting)
+    if via == "file":
+        (tmp_path / "settings.json").write_text(json.dumps({"lq_forward_raw": {"tiles": 1}, "lq_combine": setting}))
+        monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(tmp_path / "settings.json"))
+    else:
+        monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_forward_raw", {"tiles": 1})
+        monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lq_combine", setting)
     grids, combine = [], nt._lq_combine_kernel
     monkeypatch.setattr(nt, "_lq_combine_kernel", type("Counted", (), {
         "__getitem__": lambda self, grid: grids.append(grid) or combine[grid]})())
@@ -1492,6 +1500,73 @@ def test_a_launch_override_replaces_only_the_settings_it_names_and_a_misspelt_on
     monkeypatch.setitem(nystrom_triton.LAUNCH_OVERRIDES, "conv_raw", {"row": 32})
     with pytest.raises(ValueError, match=r"LAUNCH_OVERRIDES\['conv_raw'\]: no setting \['row'\]"):
         nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8)
+
+
+def test_a_launch_settings_file_replaces_the_wrappers_settings_and_a_benchmarks_override_replaces_both(
+        tmp_path, monkeypatch):
+    # NYSTROM_LAUNCH_SETTINGS: the settings bench/kernel_settings.py --best found on a GPU, used by any run
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    path = tmp_path / "settings.json"
+    path.write_text('{"conv_raw": {"rows": 32, "num_stages": 2}, "lq_combine": {"parts": 4}}')
+    monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(path))
+    monkeypatch.setattr(nystrom_triton, "LAUNCH_OVERRIDES", {})
+    assert nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8) == dict(rows=32, tiles=8, num_warps=8,
+                                                                                     num_stages=2)
+    assert nystrom_triton._launch("conv_raw_other", rows=64) == dict(rows=64)
+    monkeypatch.setitem(nystrom_triton.LAUNCH_OVERRIDES, "conv_raw", {"rows": 16})
+    assert nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8) == dict(rows=16, tiles=8, num_warps=8,
+                                                                                     num_stages=2)
+    monkeypatch.delenv("NYSTROM_LAUNCH_SETTINGS")
+    assert nystrom_triton._launch("conv_raw", rows=64, tiles=8, num_warps=8) == dict(rows=16, tiles=8, num_warps=8)
+
+
+@pytest.mark.parametrize("text,says", [
+    (None, "cannot read it (No such file or directory)"),
+    ('{"conv_raw": {"rows": 32},\n "lq_combine": }', "not JSON (line 2: Expecting value)"),
+    ('[1]', "expected an object of wrappers, got list"),
+    ('{"conv": {"rows": 32}}', "no wrapper 'conv'; the wrappers are segment_means_raw, "),
+    ('{"conv_raw": 32}', "'conv_raw' must be an object of settings, got 32"),
+    ('{"lk_forward_raw": {"tiles": 2}}', "'lk_forward_raw' has no setting 'tiles'; it has rows, num_warps, "
+                                         "num_stages"),
+    ('{"conv_raw": {"rows": 0}}', "conv_raw.rows = 0: expected a positive integer"),
+    ('{"conv_raw": {"rows": "32"}}', "conv_raw.rows = '32': expected a positive integer"),
+    ('{"conv_raw": {"tiles": true}}', "conv_raw.tiles = True: expected a positive integer"),
+    ('{"conv_raw": {"num_warps": 6}}', "conv_raw.num_warps = 6: expected 1, 2, 4, 8 or 16"),
+])
+def test_a_bad_launch_settings_file_is_an_error_naming_the_file_and_the_key(tmp_path, monkeypatch, text, says):
+    path = tmp_path / "settings.json"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(path))
+    with pytest.raises(AttentionSettingError) as err:
+        nystrom_fast.launch_settings()
+    assert str(err.value).startswith(f"NYSTROM_LAUNCH_SETTINGS={path}: {says}"), str(err.value)
+
+
+def test_the_launch_settings_table_names_every_wrapper_and_the_settings_it_asks_for():
+    # nystrom_fast.LAUNCH_SETTINGS (what a settings file may name) against every _launch("wrapper", setting=…)
+    # call in nystrom_triton's source, and the wrappers bench/kernel_settings.py sweeps
+    import ast
+    source = Path(nystrom_fast.__file__).with_name("nystrom_triton.py").read_text()
+    asked = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_launch" and node.args:
+            name = node.args[0]   # "a" or `"a" if test else "b"`, whose keywords may be `**({…} if test else {…})`
+            names = [name.body.value, name.orelse.value] if isinstance(name, ast.IfExp) else [name.value]
+            for i, wrapper in enumerate(names):
+                keys = asked.setdefault(wrapper, set())
+                for kw in node.keywords:
+                    if kw.arg:
+                        keys.add(kw.arg)
+                    else:
+                        branch = kw.value if isinstance(kw.value, ast.Dict) else (kw.value.body, kw.value.orelse)[i]
+                        keys.update(k.value for k in branch.keys)
+    assert asked == {w: set(keys) for w, keys in nystrom_fast.LAUNCH_SETTINGS.items()}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import kernel_settings
+    assert sorted(kernel_settings.WRAPPERS) == sorted(nystrom_fast.LAUNCH_SETTINGS)
 
 
 @pytest.mark.skipif(INTERPRETING, reason="compiles for a GPU target; not under the interpreter")

@@ -99,6 +99,8 @@ def test_a_user_error_spanning_lines_is_still_one_error_line(capsys):
     ("NYSTROM_OVERLAP", "yes", "NYSTROM_OVERLAP: expected one of 0, 1, got 'yes'"),
     ("NYSTROM_RECOMPUTE", "2", "NYSTROM_RECOMPUTE: expected one of 0, 1, got '2'"),
     ("NYSTROM_RECOMPUTE", "1", "NYSTROM_RECOMPUTE=1 applies to the one-node layer of NYSTROM_TRITON=all"),
+    ("NYSTROM_LAUNCH_SETTINGS", "/no/such/settings.json",
+     "NYSTROM_LAUNCH_SETTINGS=/no/such/settings.json: cannot read it (No such file or directory)"),
     ("WORLD_SIZE", "abc", "WORLD_SIZE=abc: expected an integer >= 1"),
     ("WORLD_SIZE", "0", "WORLD_SIZE=0: expected an integer >= 1"),
     ("WORLD_SIZE", "2", "WORLD_SIZE=2 without RANK, MASTER_ADDR, MASTER_PORT: start the processes with torchrun"),
@@ -108,7 +110,7 @@ def test_a_user_error_spanning_lines_is_still_one_error_line(capsys):
 def test_a_bad_environment_variable_is_one_error_line_when_the_command_starts(capsys, monkeypatch, variable, value,
                                                                              says):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NYSTROM_TRITON",
-                 "NYSTROM_OVERLAP", "NYSTROM_RECOMPUTE"):
+                 "NYSTROM_OVERLAP", "NYSTROM_RECOMPUTE", "NYSTROM_LAUNCH_SETTINGS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, value)
     model_dir = str(Path(__file__).parents[1] / "nystrom-512")

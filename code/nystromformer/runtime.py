@@ -58,12 +58,14 @@ def resolve_device(name: Optional[str], local_rank: int = 0) -> torch.device:
 def check_environment() -> None:
     """The NYSTROM_* switches of the Nyström attention, checked when a command starts: they are read at each
     forward, where a misspelt value would fail only after the data and model are loaded (or, on the CPU, where
-    NYSTROM_TRITON, NYSTROM_OVERLAP and NYSTROM_RECOMPUTE are not read at all, be ignored)."""
+    NYSTROM_TRITON, NYSTROM_OVERLAP, NYSTROM_RECOMPUTE and NYSTROM_LAUNCH_SETTINGS are not read at all, be
+    ignored)."""
     from .attention import nystrom, nystrom_fast
     nystrom.use_fast_path(torch.empty(0), "auto")
     nystrom_fast.triton_mode()
     nystrom_fast.overlap_mode()
     nystrom_fast.recompute_mode()
+    nystrom_fast.launch_settings()
 
 
 def _env_int(name: str, default: int, low: int) -> int:

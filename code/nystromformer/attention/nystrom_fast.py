@@ -38,6 +38,8 @@ its landmark-sized tensors in the backward instead of keeping them (memory for t
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import warnings
 from typing import Optional
@@ -318,14 +320,72 @@ def recompute_mode() -> bool:
     return mode == "1"
 
 
+# ------------------------------------------------------------------------------------------- launch settings
+# The Triton wrappers over the n-long tensors and the settings each takes (nystrom_triton._launch), besides
+# num_stages (Triton's default otherwise): rows a tile, tiles a program, partials a load, warps.
+LAUNCH_SETTINGS = {
+    "segment_means_raw": ("rows", "num_warps"),
+    "segment_means_grad": ("rows", "num_warps"),
+    "lq_forward_raw": ("rows", "tiles", "num_warps"),
+    "lq_combine": ("rows", "parts", "num_warps"),
+    "lq_backward_raw": ("rows", "tiles", "num_warps"),
+    "lk_forward_raw": ("rows", "num_warps"),
+    "lk_backward_raw": ("rows", "tiles", "num_warps"),
+    "conv_raw": ("rows", "tiles", "num_warps"),
+    "conv_weight_grad_mm": ("rows", "tiles", "num_warps"),
+    "conv_backward_raw": ("rows", "tiles", "num_warps"),
+}
+
+
+def launch_settings() -> dict:
+    """``NYSTROM_LAUNCH_SETTINGS``: a JSON file of launch settings that replace the wrappers' own, e.g.
+    ``{"conv_raw": {"rows": 32, "num_stages": 2}}`` — what ``bench/kernel_settings.py --best FILE`` writes after
+    timing them on a GPU; {} when unset. Read once per path; a bad file is an error naming the file and the key."""
+    path = os.environ.get("NYSTROM_LAUNCH_SETTINGS")
+    return _read_launch_settings(path) if path else {}
+
+
+@functools.lru_cache(maxsize=4)
+def _read_launch_settings(path: str) -> dict:
+    where = f"NYSTROM_LAUNCH_SETTINGS={path}"
+    try:
+        with open(path) as f:
+            settings = json.load(f)
+    except OSError as exc:
+        raise AttentionSettingError(f"{where}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise AttentionSettingError(f"{where}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(settings, dict):
+        raise AttentionSettingError(f"{where}: expected an object of wrappers, got {type(settings).__name__}")
+    for wrapper, given in settings.items():
+        if wrapper not in LAUNCH_SETTINGS:
+            raise AttentionSettingError(f"{where}: no wrapper {wrapper!r}; the wrappers are "
+                                        f"{', '.join(LAUNCH_SETTINGS)}")
+        if not isinstance(given, dict):
+            raise AttentionSettingError(f"{where}: {wrapper!r} must be an object of settings, got {given!r}")
+        for key, value in given.items():
+            allowed = LAUNCH_SETTINGS[wrapper] + ("num_stages",)
+            if key not in allowed:
+                raise AttentionSettingError(f"{where}: {wrapper!r} has no setting {key!r}; it has "
+                                            f"{', '.join(allowed)}")
+            powers = (1, 2, 4, 8, 16) if key == "num_warps" else None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (powers and value not in powers):
+                raise AttentionSettingError(f"{where}: {wrapper}.{key} = {value!r}: expected "
+                                            + ("1, 2, 4, 8 or 16" if powers else "a positive integer"))
+    return settings
+
+
 def describe_switches(device: torch.device) -> str:
     """The Nyström formulation and switches a run on ``device`` uses, for its startup line (a job's log then says
     which kernels produced its numbers)."""
     from .nystrom import use_fast_path
     if not use_fast_path(torch.empty(0, device=device)):
         return f"Nyström attention: the reference formulation on {device.type}"
+    settings = os.environ.get("NYSTROM_LAUNCH_SETTINGS")
     return (f"Nyström attention: fast path, NYSTROM_TRITON={triton_mode()}, NYSTROM_OVERLAP={int(overlap_mode())}, "
-            f"NYSTROM_RECOMPUTE={int(recompute_mode())}")
+            f"NYSTROM_RECOMPUTE={int(recompute_mode())}"
+            + (f", NYSTROM_LAUNCH_SETTINGS={settings} ({json.dumps(launch_settings(), sort_keys=True)})"
+               if settings else ""))
 
 
 def _fork(x: torch.Tensor):

@@ -29,11 +29,13 @@ Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``test
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Optional
 
 import torch
 
+from . import nystrom_fast
 # The kernels' limits live beside the dispatch that checks them (which must not import triton to read them)
 from .nystrom_fast import MAX_HEAD_DIM, MAX_LANDMARKS  # noqa: F401  (also read as nystrom_triton.MAX_*)
 
@@ -106,22 +108,24 @@ def _pow2(n: int) -> int:
 
 
 # Launch settings of the n-long passes' wrappers: each chooses its own below (rows a tile, tiles a program, warps —
-# by ptxas's spills and the H100 runs); a benchmark may replace any of them by the wrapper's name, e.g.
-# LAUNCH_OVERRIDES["conv_raw"] = {"rows": 32, "num_stages": 2} (bench/kernel_settings.py sweeps them on a GPU).
+# by ptxas's spills and the H100 runs). A file named by NYSTROM_LAUNCH_SETTINGS replaces any of them by the
+# wrapper's name (nystrom_fast.launch_settings; bench/kernel_settings.py --best writes one), and a benchmark's
+# LAUNCH_OVERRIDES["conv_raw"] = {"rows": 32, "num_stages": 2} replaces both (bench/kernel_settings.py sweeps them).
 LAUNCH_OVERRIDES: dict = {}
 
 
 def _launch(wrapper: str, **chosen) -> dict:
-    """The wrapper's ``chosen`` settings, with those in ``LAUNCH_OVERRIDES[wrapper]`` in their place (also
-    ``num_stages``, which is otherwise Triton's default)."""
+    """The wrapper's ``chosen`` settings, with those of the NYSTROM_LAUNCH_SETTINGS file and then those of
+    ``LAUNCH_OVERRIDES[wrapper]`` in their place (also ``num_stages``, which is otherwise Triton's default)."""
+    from_file = nystrom_fast.launch_settings().get(wrapper) if "NYSTROM_LAUNCH_SETTINGS" in os.environ else None
     override = LAUNCH_OVERRIDES.get(wrapper)
-    if not override:
+    if not override and not from_file:
         return chosen
-    unknown = set(override) - set(chosen) - {"num_stages"}
+    unknown = set(override or ()) - set(chosen) - {"num_stages"}
     if unknown:
         raise ValueError(f"LAUNCH_OVERRIDES[{wrapper!r}]: no setting {sorted(unknown)}; it has {sorted(chosen)} "
                          f"and num_stages")
-    return {**chosen, **override}
+    return {**chosen, **(from_file or {}), **(override or {})}
 
 
 def _warps(settings: dict) -> dict:
