@@ -201,14 +201,14 @@ def run_with_switches(name, layer, b, n, args, device, flush):
 def time_graphed(fn, args, grad, params, flush, repeat):
     """Median ms of one forward+backward captured as a CUDA graph and replayed: the launches' device time with no
     host work between them (what `gpu_setting.compile: reduce-overhead` gives training), or the capture's error."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream before capturing, as torch.cuda.graph asks
-        for _ in range(2):
-            torch.autograd.grad(fn(*args), params, grad)
-    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream before capturing, as torch.cuda.graph asks
+            for _ in range(2):
+                torch.autograd.grad(fn(*args), params, grad)
+        torch.cuda.current_stream().wait_stream(side)
         with torch.cuda.graph(graph):
             torch.autograd.grad(fn(*args), params, grad)
         times = []
@@ -222,7 +222,8 @@ def time_graphed(fn, args, grad, params, flush, repeat):
             times.append(s.elapsed_time(e))
         return statistics.median(times)
     except Exception as exc:  # a capture that fails is a note under the table, not the end of the run
-        torch.cuda.synchronize()
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
     finally:
         del graph

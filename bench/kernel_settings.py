@@ -41,8 +41,6 @@ WRAPPERS = ["segment_means_raw", "lq_forward_raw", "lq_combine", "lk_forward_raw
 # Settings asked of _launch by name inside another wrapper's call: that call is timed, and the launch reported is
 # this kernel's (pass 1's combine launches only when pass 1 has several programs a (batch, head): n > 512 in bf16)
 INSIDE = {"lq_combine": ("lq_forward_raw", "_lq_combine_kernel")}
-# The fewest rows a tile can have: 16 for tl.dot's operands; the combine's rows are landmark rows, no product
-MIN_ROWS = {"lq_combine": 1}
 
 
 def variations(chosen: dict, min_rows: int = 16) -> list[dict]:
@@ -106,6 +104,7 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
     """Rows for one wrapper at length n: setting, programs, ms, relative difference, or the error it raised."""
     import torch
 
+    from nystromformer.attention import nystrom_fast
     from nystromformer.attention import nystrom_triton as nt
     device = torch.device(args.device)
     args.n = n
@@ -135,7 +134,7 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
 
     # the chosen settings: what the wrapper asks _launch for on this call
     seen, launch = {}, nt._launch
-    nt._launch = lambda name, **chosen: (seen.setdefault(name, chosen), launch(name, **chosen))[1]
+    nt._launch = lambda name, dtype, **chosen: (seen.setdefault(name, chosen), launch(name, dtype, **chosen))[1]
     reference = fn()
     nt._launch = launch
     chosen = seen.get(wrapper)
@@ -146,7 +145,7 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
         raise SystemExit(f"{wrapper} asked nystrom_triton._launch for no settings (renamed?)")
     reference = [t.detach().double().clone() for t in flat(reference)]
     rows = []
-    for override in variations(chosen, MIN_ROWS.get(wrapper, 16)):
+    for override in variations(chosen, nystrom_fast.MIN_ROWS.get(wrapper, 16)):
         nt.LAUNCH_OVERRIDES.clear()
         if override:
             nt.LAUNCH_OVERRIDES[wrapper] = override
@@ -220,8 +219,9 @@ def main(argv=None):
     ap.add_argument("--wrappers", nargs="+", choices=WRAPPERS, default=WRAPPERS)
     ap.add_argument("--best", metavar="FILE",
                     help="write each wrapper's fastest setting (by the geometric mean over the lengths of × chosen, "
-                         "if below --margin, and computing what the chosen one does at every length) as a "
-                         "NYSTROM_LAUNCH_SETTINGS file")
+                         "if below --margin, and computing what the chosen one does at every length) as the "
+                         "--dtype section of a NYSTROM_LAUNCH_SETTINGS file (an existing file's other dtypes are "
+                         "kept)")
     ap.add_argument("--margin", type=float, default=0.97, help="a setting must time below this × chosen (noise)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -234,9 +234,13 @@ def main(argv=None):
         return
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {}))
     env.pop("NYSTROM_TRITON", None)
+    # variations of the code's own settings: a settings file in force would shift some of them and not others
+    ignored = env.pop("NYSTROM_LAUNCH_SETTINGS", None)
     print(f"# launch settings swept, {args.dtype}, {args.tokens:,} tokens a batch, {args.heads} heads × "
           f"{args.head_dim}, {args.landmarks} landmarks, conv {args.conv}, on {args.device}"
-          + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else ""))
+          + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else "")
+          + (f"; NYSTROM_LAUNCH_SETTINGS={ignored} not used: the sweep starts from the code's own settings"
+             if ignored else ""))
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
     print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
     print("|---|---|---|---|---|---|---|---|")
@@ -262,9 +266,14 @@ def main(argv=None):
         sys.stdout.flush()
     if args.best:
         best = best_settings(swept, args.margin)
-        Path(args.best).write_text(json.dumps({w: o for w, (o, _) in best.items()}, indent=1, sort_keys=True) + "\n")
+        path = Path(args.best)
+        # another dtype's section of an existing file is kept: sweep bf16, then --dtype fp32, into one file
+        kept = json.loads(path.read_text()) if path.exists() else {}
+        kept[args.dtype] = {w: o for w, (o, _) in best.items()}
+        path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
         print(f"\n# the fastest setting of each wrapper below {args.margin} × chosen (geometric mean over n = "
-              f"{', '.join(map(str, args.lengths))}), written to {args.best} for NYSTROM_LAUNCH_SETTINGS:")
+              f"{', '.join(map(str, args.lengths))}), written to {args.best} for NYSTROM_LAUNCH_SETTINGS "
+              f"({args.dtype} inputs only):")
         for wrapper, (override, score) in best.items():
             print(f"- {wrapper}: {setting_label(override)} ({score:.2f} × chosen)")
         if not best:
@@ -273,19 +282,24 @@ def main(argv=None):
 
 def best_settings(swept: dict, margin: float, max_diff: float = 1e-2) -> dict:
     """{wrapper: (override, geometric mean of × chosen)} for the fastest setting of each wrapper that ran at every
-    length, computed what the chosen one does there (relative difference ≤ ``max_diff``: bf16 outputs of sums in
-    another order) and timed below ``margin`` × chosen."""
+    length where the wrapper launched, computed what the chosen one does there (relative difference ≤ ``max_diff``:
+    bf16 outputs of sums in another order) and timed below ``margin`` × chosen. Where a setting launched exactly
+    as the chosen one (clamped to n), its ratio is 1: its time differs only by noise."""
     best = {}
     for wrapper, by_n in swept.items():
         scores, ran = {}, 0
         for rows in by_n.values():
-            base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
+            chosen_row = next((r for r in rows if r["setting"] == "chosen"), {})
+            base = chosen_row.get("ms")
             ran += base is not None or any(r["setting"] != "chosen" for r in rows)  # not "not launched at this n"
             for r in rows:
                 if r["setting"] == "chosen":
                     continue
                 ok = base and "ms" in r and r["diff"] <= max_diff
-                scores.setdefault(r["setting"], (r["override"], []))[1].append(r["ms"] / base if ok else None)
+                ratio = r["ms"] / base if ok else None
+                if ok and (r["launched"], r["programs"]) == (chosen_row["launched"], chosen_row["programs"]):
+                    ratio = 1.0  # clamped to the chosen launch at this n (e.g. parts beyond the partials): noise
+                scores.setdefault(r["setting"], (r["override"], []))[1].append(ratio)
         ranked = sorted((statistics.geometric_mean(ratios), label) for label, (_, ratios) in scores.items()
                         if len(ratios) == ran and None not in ratios)
         if ranked and ranked[0][0] < margin:

@@ -265,9 +265,10 @@ def test_kernel_settings_best_is_the_fastest_setting_that_ran_and_agreed_at_ever
     sys.path.insert(0, str(REPO / "bench"))
     from kernel_settings import best_settings
 
-    def row(setting, ms, diff=0.0, error=None):
+    def row(setting, ms, diff=0.0, error=None, launched=None):
         override = {} if setting == "chosen" else dict([(setting.split("=")[0], int(setting.split("=")[1]))])
-        return {"setting": setting, "override": override, **({"error": error} if error else {"ms": ms, "diff": diff})}
+        ran = {"ms": ms, "diff": diff, "programs": 8, "launched": launched or {"set": setting}}
+        return {"setting": setting, "override": override, **({"error": error} if error else ran)}
     swept = {
         "conv_raw": {"4096": [row("chosen", 1.0), row("rows=32", 0.8), row("tiles=4", 0.5, diff=0.2)],
                      "65536": [row("chosen", 2.0), row("rows=32", 1.8), row("tiles=4", 0.5)]},
@@ -276,12 +277,16 @@ def test_kernel_settings_best_is_the_fastest_setting_that_ran_and_agreed_at_ever
         "lk_forward_raw": {"4096": [row("chosen", 1.0), row("rows=32", 0.98)]},          # within the noise
         "lq_combine": {"512": [row("chosen", None, error="not launched by lq_forward_raw at n = 512")],
                        "4096": [row("chosen", 1.0), row("parts=8", 0.5)]},
+        # parts=32 clamped to the chosen launch at 4096: its 0.5 there is noise, counted as 1
+        "lq_forward_raw": {"4096": [row("chosen", 1.0, launched={"P": 8}), row("parts=32", 0.5, launched={"P": 8})],
+                           "65536": [row("chosen", 1.0), row("parts=32", 0.9)]},
     }
     best = best_settings(swept, margin=0.97)
-    assert best.keys() == {"conv_raw", "lq_combine"}
+    assert best.keys() == {"conv_raw", "lq_combine", "lq_forward_raw"}
     # tiles=4 is faster but off by 20% at 4096; rows=32: 0.8 and 0.9 × chosen, geometric mean 0.85
     assert best["conv_raw"][0] == {"rows": 32} and abs(best["conv_raw"][1] - (0.8 * 0.9) ** 0.5) < 1e-12
     assert best["lq_combine"] == ({"parts": 8}, 0.5)
+    assert best["lq_forward_raw"][0] == {"parts": 32} and abs(best["lq_forward_raw"][1] - 0.9 ** 0.5) < 1e-12
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
@@ -294,13 +299,16 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     sys.path.insert(0, str(REPO / "bench"))
     import kernel_settings
     best = tmp_path / "best.json"
+    best.write_text('{"bf16": {"conv_raw": {"rows": 32}}}')   # a bf16 sweep's file: its section is kept
     lines = run_script("bench/kernel_settings.py", "--device", "cpu", "--tokens", "256", "--lengths", "128",
                        "--heads", "1", "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32",
                        "--repeat", "1", "--best", str(best), "--margin", "1e9")
     # with any time accepted, every wrapper that ran gets its fastest setting, in a file the layer can read
     from nystromformer.attention import nystrom_fast
     written = nystrom_fast._read_launch_settings(str(best))
-    assert set(written) == set(kernel_settings.WRAPPERS) - {"lq_combine"}   # not launched at n = 128
+    assert written["bf16"] == {"conv_raw": {"rows": 32}} and set(written) == {"bf16", "fp32"}
+    assert set(written["fp32"]) == set(kernel_settings.WRAPPERS) - {"lq_combine"}   # not launched at n = 128
+    assert "num_warps" not in written["fp32"]["lq_backward_raw"]            # refused (fp32, 8 warps), never best
     rows = table_rows(lines)
     assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS) and {r[1] for r in rows} == {"128"}
     # pass 1's combine runs only with several key programs a (batch, head): fp32 at 600 has 3 (256 keys each)

@@ -120,10 +120,11 @@ def test_the_startup_line_names_the_fast_paths_switches(monkeypatch, tmp_path):
     assert describe_switches(torch.device("cpu")) == ("Nyström attention: fast path, NYSTROM_TRITON=all, "
                                                       "NYSTROM_OVERLAP=0, NYSTROM_RECOMPUTE=1")
     # a launch settings file is named with what it sets, so a log says which launches made its numbers
-    (tmp_path / "h100.json").write_text('{"conv_raw": {"rows": 32}}')
+    (tmp_path / "h100.json").write_text('{"bf16": {"conv_raw": {"rows": 32}}}')
     monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(tmp_path / "h100.json"))
     assert describe_switches(torch.device("cpu")).endswith(
-        f"NYSTROM_RECOMPUTE=1, NYSTROM_LAUNCH_SETTINGS={tmp_path / 'h100.json'} ({{\"conv_raw\": {{\"rows\": 32}}}})")
+        f"NYSTROM_RECOMPUTE=1, NYSTROM_LAUNCH_SETTINGS={tmp_path / 'h100.json'} "
+        f"({{\"bf16\": {{\"conv_raw\": {{\"rows\": 32}}}}}})")
 
 
 def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_checkpoint(tmp_path, data, monkeypatch):

@@ -335,14 +335,23 @@ LAUNCH_SETTINGS = {
     "conv_weight_grad_mm": ("rows", "tiles", "num_warps"),
     "conv_backward_raw": ("rows", "tiles", "num_warps"),
 }
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+# Rows are tile sides (powers of two), at least tl.dot's 16 — but the combine's are landmark rows, no product
+MIN_ROWS = {"lq_combine": 1}
 
 
 def launch_settings() -> dict:
-    """``NYSTROM_LAUNCH_SETTINGS``: a JSON file of launch settings that replace the wrappers' own, e.g.
-    ``{"conv_raw": {"rows": 32, "num_stages": 2}}`` — what ``bench/kernel_settings.py --best FILE`` writes after
-    timing them on a GPU; {} when unset. Read once per path; a bad file is an error naming the file and the key."""
+    """``NYSTROM_LAUNCH_SETTINGS``: a JSON file of launch settings, by the inputs' dtype, that replace the
+    wrappers' own, e.g. ``{"bf16": {"conv_raw": {"rows": 32, "num_stages": 2}}}`` — what
+    ``bench/kernel_settings.py --best FILE`` writes after timing them on a GPU (settings differ by dtype: fp32
+    tiles of a bf16-tuned size can overflow shared memory); {} when unset. Read once per path; a bad file is an
+    error naming the file and the key. Rows and tiles are still clamped to short sequences, as the wrappers' own."""
     path = os.environ.get("NYSTROM_LAUNCH_SETTINGS")
     return _read_launch_settings(path) if path else {}
+
+
+def _pow2_at_least(value: int, low: int) -> bool:
+    return value >= low and value & (value - 1) == 0
 
 
 @functools.lru_cache(maxsize=4)
@@ -355,24 +364,42 @@ def _read_launch_settings(path: str) -> dict:
         raise AttentionSettingError(f"{where}: cannot read it ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise AttentionSettingError(f"{where}: not JSON (line {exc.lineno}: {exc.msg})") from None
+    names = ", ".join(DTYPE_NAMES.values())
     if not isinstance(settings, dict):
-        raise AttentionSettingError(f"{where}: expected an object of wrappers, got {type(settings).__name__}")
-    for wrapper, given in settings.items():
-        if wrapper not in LAUNCH_SETTINGS:
-            raise AttentionSettingError(f"{where}: no wrapper {wrapper!r}; the wrappers are "
-                                        f"{', '.join(LAUNCH_SETTINGS)}")
-        if not isinstance(given, dict):
-            raise AttentionSettingError(f"{where}: {wrapper!r} must be an object of settings, got {given!r}")
-        for key, value in given.items():
-            allowed = LAUNCH_SETTINGS[wrapper] + ("num_stages",)
-            if key not in allowed:
-                raise AttentionSettingError(f"{where}: {wrapper!r} has no setting {key!r}; it has "
-                                            f"{', '.join(allowed)}")
-            powers = (1, 2, 4, 8, 16) if key == "num_warps" else None
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (powers and value not in powers):
-                raise AttentionSettingError(f"{where}: {wrapper}.{key} = {value!r}: expected "
-                                            + ("1, 2, 4, 8 or 16" if powers else "a positive integer"))
+        raise AttentionSettingError(f"{where}: expected an object of dtypes ({names}), got {type(settings).__name__}")
+    for dtype, wrappers in settings.items():
+        if dtype not in DTYPE_NAMES.values():
+            raise AttentionSettingError(f"{where}: no dtype {dtype!r}; settings go under the inputs' dtype: {names}")
+        if not isinstance(wrappers, dict):
+            raise AttentionSettingError(f"{where}: {dtype!r} must be an object of wrappers, got {wrappers!r}")
+        for wrapper, given in wrappers.items():
+            _check_launch_setting(where, dtype, wrapper, given)
     return settings
+
+
+def _check_launch_setting(where: str, dtype: str, wrapper: str, given) -> None:
+    if wrapper not in LAUNCH_SETTINGS:
+        raise AttentionSettingError(f"{where}: no wrapper {dtype}.{wrapper}; the wrappers are "
+                                    f"{', '.join(LAUNCH_SETTINGS)}")
+    if not isinstance(given, dict):
+        raise AttentionSettingError(f"{where}: {dtype}.{wrapper} must be an object of settings, got {given!r}")
+    allowed = LAUNCH_SETTINGS[wrapper] + ("num_stages",)
+    for key, value in given.items():
+        if key not in allowed:
+            raise AttentionSettingError(f"{where}: {dtype}.{wrapper} has no setting {key!r}; it has "
+                                        f"{', '.join(allowed)}")
+        name = f"{dtype}.{wrapper}.{key} = {value!r}"
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise AttentionSettingError(f"{where}: {name}: expected a positive integer")
+        low = MIN_ROWS.get(wrapper, 16) if key == "rows" else 1
+        if key in ("rows", "parts") and not (_pow2_at_least(value, low) and value <= 1024):
+            raise AttentionSettingError(f"{where}: {name}: expected a power of two from {low} to 1024 (a tile side)")
+        if key == "num_warps" and value not in (1, 2, 4, 8, 16):
+            raise AttentionSettingError(f"{where}: {name}: expected 1, 2, 4, 8 or 16")
+    # Triton 3.6 compiles pass 1's fp32 backward at 8 warps wrong on an H100 (docs/performance.md)
+    if wrapper == "lq_backward_raw" and dtype in ("fp32", "fp64") and given.get("num_warps", 4) > 4:
+        raise AttentionSettingError(f"{where}: {dtype}.lq_backward_raw.num_warps = {given['num_warps']}: Triton "
+                                    f"3.6 miscompiles pass 1's {dtype} backward above 4 warps for sm_90")
 
 
 def describe_switches(device: torch.device) -> str:

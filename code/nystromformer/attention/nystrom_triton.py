@@ -109,15 +109,18 @@ def _pow2(n: int) -> int:
 
 # Launch settings of the n-long passes' wrappers: each chooses its own below (rows a tile, tiles a program, warps —
 # by ptxas's spills and the H100 runs). A file named by NYSTROM_LAUNCH_SETTINGS replaces any of them by the
-# wrapper's name (nystrom_fast.launch_settings; bench/kernel_settings.py --best writes one), and a benchmark's
-# LAUNCH_OVERRIDES["conv_raw"] = {"rows": 32, "num_stages": 2} replaces both (bench/kernel_settings.py sweeps them).
+# inputs' dtype and the wrapper's name (nystrom_fast.launch_settings; bench/kernel_settings.py --best writes one),
+# and a benchmark's LAUNCH_OVERRIDES["conv_raw"] = {"rows": 32, "num_stages": 2} replaces both, for every dtype
+# (bench/kernel_settings.py sweeps them).
 LAUNCH_OVERRIDES: dict = {}
 
 
-def _launch(wrapper: str, **chosen) -> dict:
-    """The wrapper's ``chosen`` settings, with those of the NYSTROM_LAUNCH_SETTINGS file and then those of
-    ``LAUNCH_OVERRIDES[wrapper]`` in their place (also ``num_stages``, which is otherwise Triton's default)."""
-    from_file = nystrom_fast.launch_settings().get(wrapper) if "NYSTROM_LAUNCH_SETTINGS" in os.environ else None
+def _launch(wrapper: str, dtype: torch.dtype, **chosen) -> dict:
+    """The wrapper's ``chosen`` settings for inputs of ``dtype``, with those of the NYSTROM_LAUNCH_SETTINGS file for
+    that dtype and then those of ``LAUNCH_OVERRIDES[wrapper]`` in their place (also ``num_stages``, which is
+    otherwise Triton's default)."""
+    from_file = (nystrom_fast.launch_settings().get(nystrom_fast.DTYPE_NAMES.get(dtype), {}).get(wrapper)
+                 if "NYSTROM_LAUNCH_SETTINGS" in os.environ else None)
     override = LAUNCH_OVERRIDES.get(wrapper)
     if not override and not from_file:
         return chosen
@@ -1191,7 +1194,7 @@ def _lq_consts(q_land: torch.Tensor, backward: bool) -> dict:
     # shared-memory read, compute-sanitizer; head_dim 32: dQ̃ off by 67% with no error); 4 are correct at 16–64.
     # With "tiles", the key blocks a program runs at most (the caller's, not a kernel constant).
     small = q_land.element_size() <= 2
-    s = _launch("lq_backward_raw" if backward else "lq_forward_raw",
+    s = _launch("lq_backward_raw" if backward else "lq_forward_raw", q_land.dtype,
                 rows=(32 if small else 16) if backward else (64 if small else 32), tiles=8,
                 num_warps=8 if small or not backward else 4)
     if backward and not small and s["num_warps"] > 4:
@@ -1238,7 +1241,7 @@ def lq_forward_raw(q_land: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_b
     if not finish:
         # landmark rows a program (several programs a (batch, head): at long n there are few of those) and
         # partials a load (ptxas, sm_90: 72 registers, no spills)
-        s = _launch("lq_combine", rows=4, parts=16, num_warps=4)
+        s = _launch("lq_combine", q_land.dtype, rows=4, parts=16, num_warps=4)
         rows = min(_pow2(s["rows"]), c["BLOCK_M"])
         _lq_combine_kernel[(b * h, c["BLOCK_M"] // rows)](
             acc, mx, sm, out, low_or, lse, m, d, NPROG=nprog, BLOCK_M=c["BLOCK_M"], BLOCK_D=c["BLOCK_D"],
@@ -1327,7 +1330,7 @@ def _lk_consts(q: torch.Tensor, m: int, backward: bool) -> dict:
     # Query rows per block: forward 64; backward 64 for 16-bit, 32 for 32/64-bit (at 64 the fp32 backward needs
     # 225 KB of shared memory and spills). 8 warps: no spills (ptxas, sm_90; 4 warps need 239 registers).
     # With "tiles" (the backward's row blocks a program) and the launch's warps, for the caller to take out.
-    s = _launch("lk_backward_raw" if backward else "lk_forward_raw",
+    s = _launch("lk_backward_raw" if backward else "lk_forward_raw", q.dtype,
                 rows=64 if not backward or q.element_size() <= 2 else 32, num_warps=8,
                 **({"tiles": 8} if backward else {}))
     return dict(BLOCK_N=s["rows"], BLOCK_M=_block(m), BLOCK_D=_block(q.shape[-1]), PREC=_dot_precision(q.dtype),
@@ -1433,7 +1436,7 @@ def segment_means_raw(x: torch.Tensor, keep: torch.Tensor, m: int, x2: torch.Ten
     out = torch.empty(b, h, m, d, device=x.device, dtype=x.dtype)
     out2 = torch.empty_like(out) if x2 is not None else out
     seg_len = -(-n // m)
-    s = _launch("segment_means_raw", rows=64, num_warps=4)
+    s = _launch("segment_means_raw", x.dtype, rows=64, num_warps=4)
     block_n = max(1, min(s["rows"], _pow2(seg_len)))
     other = x2 if x2 is not None else x  # HAS_X2 false: never read
     _segmeans_kernel[(b * h, m)](x, *x.stride(), other, *other.stride(), keep.contiguous(), out, out2, h, n, m, d,
@@ -1464,7 +1467,7 @@ def segment_means_grad(g: torch.Tensor, keep: torch.Tensor, n: int, add: torch.T
     else:
         s2 = (0, 0, 0)
     gx = out if out is not None else _empty((b, h, n, d), like, g.dtype if add is None else add.dtype, g.device)
-    s = _launch("segment_means_grad", rows=32, num_warps=4)  # 64 rows × 64 columns spilled at 4 warps (sm_90)
+    s = _launch("segment_means_grad", gx.dtype, rows=32, num_warps=4)  # 64 rows × 64 columns: spills at 4 warps
     block_n = s["rows"]
     astr = add.stride() if add is not None else (0, 0, 0, 0)
     _segmeans_bwd_kernel[(b * h, _cdiv(n, block_n))](
@@ -1515,7 +1518,7 @@ def conv_raw(x, keep, w, res=None, in_mask=True, out_mask=False, like=None, out=
     dtype = x.dtype if res is None else res.dtype
     if out is None:
         out = _empty((b, h, n, d), like, dtype, x.device)
-    s = _launch("conv_raw", rows=64, tiles=8, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
+    s = _launch("conv_raw", x.dtype, rows=64, tiles=8, num_warps=8)  # 4 warps spill in fp32 (ptxas, sm_90)
     block_n = s["rows"]
     tiles = min(s["tiles"], _cdiv(n, block_n))  # row tiles per program: the band is built once for them
     # tf32 is not enough for an fp32 run (its ~1e-3 would show); 16-bit inputs use their own type in the product
@@ -1548,7 +1551,7 @@ def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, we
     ``NYSTROM_TRITON=all`` path: 0.27 ms on an H100 at 65,536 tokens against the shifted-load kernel's 0.47)."""
     b, h, n, d = v.shape
     ks = weight_shape[2]
-    s = _launch("conv_weight_grad_mm", rows=64, tiles=8, num_warps=8)
+    s = _launch("conv_weight_grad_mm", v.dtype, rows=64, tiles=8, num_warps=8)
     block_n, tiles, part = _taps_partials(v, ks, s)
     block_t = part.shape[-1]
     _dwconv_wgrad_mm_kernel[(b * h, part.shape[1])](
@@ -1587,7 +1590,7 @@ def conv_backward_raw(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, taps
     ks = taps.shape[-1]
     # 64-row tiles spill at 8 warps in bf16 (52 bytes; more at 4), 32 do not (ptxas, sm_90); 16 tiles: 512 rows a
     # program, as the two kernels it replaces
-    s = _launch("conv_backward_raw", rows=32, tiles=16, num_warps=8)
+    s = _launch("conv_backward_raw", v.dtype, rows=32, tiles=16, num_warps=8)
     block_n, tiles, part = _taps_partials(v, ks, s)
     block_t = part.shape[-1]
     _dwconv_bwd_kernel[(b * h, part.shape[1])](
