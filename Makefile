@@ -106,7 +106,7 @@ check-inputs:
 	  $(c) input; set $(INPUT_VAR_$(c)), or leave $(c) out of CORPORA)" >&2; exit 2; };) true
 
 $(STAMPS)/wiki-extracted: | $(VENV)/.installed check-inputs
-	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(EXTRACTED)
+	$(NYS) extract-wiki --dump $(WIKI_DUMP) --output $(EXTRACTED) --overwrite
 	mkdir -p $(STAMPS) && touch $@
 $(STAMPS)/wiki: $(STAMPS)/wiki-extracted
 	$(NYS) preprocess wiki --input $(EXTRACTED) --output $(PARTITIONS)/wiki

@@ -381,6 +381,28 @@ def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, 
     assert file_states(out) == before
 
 
+def test_a_resume_after_the_tokenizer_folders_files_changed_is_refused(partitions, trained_tokenizer, tmp_path):
+    # train-tokenizer --overwrite into the same folder: the path is the same, the ids are not; resuming would mix
+    # two tokenizations in one folder (and a finished folder would pass as up to date)
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(trained_tokenizer, tokenizer)
+    out = tmp_path / "out"
+    build(partitions, tokenizer, out, datasets=("stories",))
+    assert json.loads((out / "meta.json").read_text())["tokenizer_files_sha256"]
+    merges = (tokenizer / "merges.txt").read_text().splitlines()
+    (tokenizer / "merges.txt").write_text("\n".join(merges[:1] + merges[2:3] + merges[1:2] + merges[3:]) + "\n")
+    before = file_states(out)
+    with pytest.raises(BuildError, match=rf"built with other settings \(the files of tokenizer {tokenizer}, "
+                                         rf"changed since its shards were encoded, differ\); build into a new"):
+        build(partitions, tokenizer, out, datasets=("stories",))
+    assert file_states(out) == before
+    # a folder built before the digest was recorded resumes as before (its tokenizer path is all it has)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["tokenizer_files_sha256"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    build(partitions, tokenizer, out, datasets=("stories",))
+
+
 def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partitions, trained_tokenizer, tmp_path,
                                                                        caplog):
     with caplog.at_level("WARNING", logger="nystromformer.data"):

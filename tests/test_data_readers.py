@@ -746,3 +746,17 @@ def test_a_swapped_in_or_restored_folder_is_made_durable_by_an_fsync_of_its_pare
     restore = events.index(("rename", ".wiki.abcd1234.old", "wiki"))
     assert events[restore + 1:restore + 2] == [("fsync", str(tmp_path.resolve()))], events
     assert len(partition_files(out)) == 3
+
+
+@pytest.mark.parametrize("where", [".", "parts"])
+def test_partitions_cannot_be_written_into_their_input_folder(tmp_path, capsys, where):
+    # the stories reader takes every *.txt below its folder: a partition file written there would be read back
+    # as one more story on the next run (the folder never up to date, the corpus growing by a copy each time)
+    stories = tmp_path / "stories"
+    shutil.copytree(FIXTURES / "stories", stories)
+    before = sorted(p.relative_to(stories) for p in stories.rglob("*"))
+    output = (stories / where).resolve() if where == "." else stories / where
+    assert run_command(["preprocess", "stories", "--input", stories, "--output", output]) == 2
+    assert capsys.readouterr().err == (f"error: --output {output}: is inside the input folder {stories}; write it "
+                                       f"elsewhere (its files would be read back as input)\n")
+    assert sorted(p.relative_to(stories) for p in stories.rglob("*")) == before

@@ -114,3 +114,24 @@ def test_a_dump_named_bz2_that_is_not_bzip2_data_is_one_error_line_before_wikiex
     assert err == (f"error: {dump}: not bzip2 data (a .bz2 file begins with 'BZh', this one with b'<ht'): an "
                    f"incomplete download, or a web page saved under the dump's name?\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_extracting_again_into_a_folder_of_an_earlier_extraction_is_refused_unless_overwrite_deletes_it(
+        tmp_path, capsys):
+    # wikiextractor writes over same-named files and leaves the rest: a second extraction with larger files into
+    # the same folder would leave the first one's later files, and preprocess would read those articles twice
+    out = tmp_path / "extracted"
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", out, "--processes", 1, "--bytes", "0"]) == 0
+    first = sorted(f.relative_to(out) for f in out.rglob("wiki_*"))
+    articles = sum((out / f).read_text().count("<doc ") for f in first)
+    assert len(first) > 100
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", out, "--processes", 1]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --output {out}: holds {len(first)} wiki_* file(s) of an earlier extraction (e.g. {first[0]}), which "
+        f"preprocess would read beside the new ones; extract into a new folder, or add --overwrite to delete them "
+        f"first")
+    assert sorted(f.relative_to(out) for f in out.rglob("wiki_*")) == first      # untouched
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", out, "--processes", 1, "--overwrite"]) == 0
+    again = sorted(f.relative_to(out) for f in out.rglob("wiki_*"))
+    assert again == [Path("AA") / "wiki_00"]                                      # the one 100M file, nothing else
+    assert (out / "AA" / "wiki_00").read_text().count("<doc ") == articles         # each article once

@@ -9,7 +9,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -17,15 +17,22 @@ import torch
 PathLike = Union[str, os.PathLike]
 
 
-def check_output_folder(path: PathLike, flag: str = "--output") -> None:
-    """A folder can be made at ``path``: checked before a command's slow work, so that an output under a file is
-    one error line, not a traceback at the end."""
+def check_output_folder(path: PathLike, flag: str = "--output", inputs: Sequence[PathLike] = (),
+                        error: Optional[type] = None) -> None:
+    """A folder can be made at ``path``, and it is not one of the ``inputs`` folders or inside one (what is written
+    there would be read back as input on the next run): checked before a command's slow work, so that either is one
+    error line (``error``, default UserError), not a traceback at the end or data read twice."""
     from .errors import UserError
+    error = error or UserError
     path = Path(path)
+    for folder in map(Path, inputs):
+        if folder.is_dir() and (path.resolve() == folder.resolve() or folder.resolve() in path.resolve().parents):
+            raise error(f"{flag} {path}: is inside the input folder {folder}; write it elsewhere (its files would "
+                        f"be read back as input)")
     for p in (path, *path.parents):
         if p.exists():
             if not p.is_dir():
-                raise UserError(f"{flag} {path}: {p} is a file, not a folder")
+                raise error(f"{flag} {path}: {p} is a file, not a folder")
             return
 
 

@@ -316,16 +316,16 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     """Build (or resume) a shard folder; returns the stats written to ``stats.json``."""
     _check_options(datasets, seq_len, shard_size, dev_fraction, dev_run, seed, workers)
     output = Path(output)
-    for d in datasets:  # shards in a partition folder would overwrite its stats.json and be read as partitions
-        inside = Path(d.folder).resolve()
-        if output.resolve() == inside or inside in output.resolve().parents:
-            raise BuildError(f"--output {output}: is inside the input folder {d.folder}; write shards elsewhere")
+    # shards in a partition folder would overwrite its stats.json and be read as partitions
+    atomic.check_output_folder(output, inputs=[d.folder for d in datasets], error=BuildError)
     # Check every input before writing anything: a failed command must not leave a meta.json behind.
     tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
+    digest = _tokenizer_digest(Path(tokenizer)) if Path(tokenizer).is_dir() else None
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
-                     dev_run_unit=DEV_RUN_UNIT, special_token_text="as text", seed=seed, shard_size=shard_size)
+                     dev_run_unit=DEV_RUN_UNIT, special_token_text="as text", seed=seed, shard_size=shard_size,
+                     **({"tokenizer_files_sha256": digest} if digest else {}))
     _open_output(output, meta, tokenizer)
 
     pending = [t for t in tasks if not _finished(output, t)]
@@ -398,9 +398,13 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
         old.setdefault("dev_run_unit", old.get("max_seq_len", 2) - 2 if old["dev_run"] > 1 else "per sequence")
         # Built before corpus text spelling a special token was encoded as text (DocumentEncoder): as the id.
         old.setdefault("special_token_text", "as the special id")
-        changed = sorted(k for k in set(old) | set(new) if k != "tokenizer" and old.get(k) != new.get(k))
+        identity = ("tokenizer", "tokenizer_files_sha256")
+        changed = sorted(k for k in set(old) | set(new) if k not in identity and old.get(k) != new.get(k))
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
             changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
+        elif "tokenizer_files_sha256" in old and old["tokenizer_files_sha256"] != new.get("tokenizer_files_sha256"):
+            # the same folder, other files (e.g. train-tokenizer --overwrite): its shards hold the old ids
+            changed.append(f"the files of tokenizer {meta['tokenizer']}, changed since its shards were encoded,")
         if changed:
             raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
                              f" build into a new folder or delete it")

@@ -28,12 +28,12 @@ def cmd_extract_wiki(args) -> int:
     from .wiki import extract_wiki
     check_output_folder(args.output)
     _logging()
-    return extract_wiki(args.dump, args.output, args.processes, args.bytes)
+    return extract_wiki(args.dump, args.output, args.processes, args.bytes, overwrite=args.overwrite)
 
 
 def cmd_preprocess(args) -> int:
     from .partitions import InputError, PartitionError, write_partitions
-    check_output_folder(args.output)
+    check_output_folder(args.output, inputs=args.input)
     _logging()
     options = {}
     if args.dataset == "bookcorpus" and args.document_per_file:
@@ -88,6 +88,9 @@ def add_extract_wiki_arguments(p) -> None:
     p.add_argument("--output", type=Path, required=True, help="folder for wikiextractor's <doc> files")
     p.add_argument("--processes", type=int, default=min(os.cpu_count() or 1, MAX_PROCESSES))
     p.add_argument("--bytes", default="100M", help="size of each output file (wikiextractor --bytes)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the wiki_* files of an earlier extraction in --output first (without it, such files "
+                        "are an error: preprocess would read them beside the new ones)")
 
 
 def add_preprocess_arguments(p) -> None:

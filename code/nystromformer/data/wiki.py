@@ -34,8 +34,11 @@ def extract_wiki_command(dump: Path, output: Path, processes: int, bytes_per_fil
 
 
 def extract_wiki(dump: Path, output: Path, processes: int = min(os.cpu_count() or 1, MAX_PROCESSES),
-                 bytes_per_file: str = "100M") -> int:
-    """Extract ``<doc>`` files from a pages-articles dump into ``output/AA/wiki_00``, ...; returns the exit code."""
+                 bytes_per_file: str = "100M", overwrite: bool = False) -> int:
+    """Extract ``<doc>`` files from a pages-articles dump into ``output/AA/wiki_00``, ...; returns the exit code.
+    wikiextractor writes over same-named files and leaves the rest, so an earlier extraction's ``wiki_*`` files in
+    ``output`` are an error (``preprocess`` would read old and new articles alike) unless ``overwrite`` deletes
+    them first."""
     from .partitions import InputError
     dump, output = Path(dump), Path(output)
     if not dump.is_file():
@@ -53,6 +56,16 @@ def extract_wiki(dump: Path, output: Path, processes: int = min(os.cpu_count() o
         if head != b"BZh":
             raise InputError(f"{dump}: not bzip2 data (a .bz2 file begins with 'BZh', this one with {head!r}): an "
                              f"incomplete download, or a web page saved under the dump's name?")
+    earlier = sorted(f for f in output.rglob("wiki_*") if f.is_file()) if output.is_dir() else []
+    if earlier and not overwrite:
+        raise InputError(f"--output {output}: holds {len(earlier)} wiki_* file(s) of an earlier extraction (e.g. "
+                         f"{earlier[0].relative_to(output)}), which preprocess would read beside the new ones; "
+                         f"extract into a new folder, or add --overwrite to delete them first")
+    for f in earlier:
+        f.unlink()
+    for folder in sorted({f.parent for f in earlier}, reverse=True):  # wikiextractor's AA, AB, …, if now empty
+        if folder != output and not any(folder.iterdir()):
+            folder.rmdir()
     output.mkdir(parents=True, exist_ok=True)
     command = extract_wiki_command(dump, output, processes, bytes_per_file)
     log.info("running %s", " ".join(command))
