@@ -3,7 +3,9 @@
 Predicts a GLUE dev split with the weights of one finished `glue` run at several eval batch sizes, with batches
 padded to their longest example ("longest", what GLUE fine-tuning did for every attention before 2026-11-23) and
 to --max-seq-len ("fixed", what it does now for attention whose outputs depend on the amount of padding), and
-prints one table: the dev metrics and how many predictions differ from those at batch size 1.
+prints one table: the dev metrics and how many predictions differ from those at batch size 1. Predictions go
+through `Runner.predict`, which since 2026-11-24 takes Nystrom's "original" init per example: the "fixed" rows
+then agree at every batch size (before, the init's batch-wide maximum moved them).
 
     python bench/glue_batch_dependence.py --model-dir MODEL --run SST-2-0-0.001-32-2 --task SST-2
 """

@@ -179,7 +179,7 @@ def test_sweep_writes_a_summary_and_skips_finished_runs_when_rerun(fixture_model
     assert len(Path(second["summary"]["csv"]).read_text().splitlines()) == 4
 
 
-def test_a_nystrom_run_whose_batches_were_padded_to_their_longest_example_is_redone_not_summarised(
+def test_a_nystrom_run_padded_to_its_longest_example_or_evaluated_with_its_batch_is_redone_not_summarised(
         fixture_model_dir):
     # Before 2026-11-23 every batch was padded to its longest example, which moves a Nystrom model's predictions
     # with its batch: such a result is neither finished nor comparable, whatever its settings.
@@ -188,16 +188,23 @@ def test_a_nystrom_run_whose_batches_were_padded_to_their_longest_example_is_red
     path = run_dir(fixture_model_dir / "model", runs[0]) / "result.json"
     result = json.loads(path.read_text())
     assert first["ran"] == ["MRPC-0-0.001-2-1"] and result["padding"] == "to max_seq_len"
-    del result["padding"]  # as a run before the record wrote it
-    path.write_text(json.dumps(result))
-    said = []
-    summary = write_summary(fixture_model_dir / "model", runs, log=said.append, padding="to max_seq_len")
-    assert summary["rows"] == [] and any("padded their batches to the longest example" in m for m in said)
-    said.clear()
-    second = run_sweep(fixture_model_dir, runs, log=said.append)
-    assert second["ran"] == ["MRPC-0-0.001-2-1"] and second["skipped"] == []
-    assert any("replacing" in m and "batches padded to the longest example -> to max_seq_len" in m for m in said)
-    assert json.loads(path.read_text())["padding"] == "to max_seq_len" and len(second["summary"]["rows"]) == 1
+    assert result["evaluation"] == "each example alone"
+    method = {"padding": "to max_seq_len", "evaluation": "each example alone"}
+    for record, says in (("padding", "batches padded to the longest example -> to max_seq_len"),
+                         ("evaluation", "examples evaluated with its batch -> each example alone")):
+        # as a run before the record wrote it (padding: before 2026-11-23; evaluation: before 2026-11-24)
+        path.write_text(json.dumps({k: v for k, v in result.items() if k != record}))
+        said = []
+        summary = write_summary(fixture_model_dir / "model", runs, log=said.append, method=method)
+        assert summary["rows"] == [] and any(f"were made otherwise than this model's runs must be ({says}" in m
+                                             for m in said), said
+        said.clear()
+        second = run_sweep(fixture_model_dir, runs, log=said.append)
+        assert second["ran"] == ["MRPC-0-0.001-2-1"] and second["skipped"] == []
+        assert any("replacing" in m and says in m for m in said), said
+        redone = json.loads(path.read_text())
+        assert (redone["padding"], redone["evaluation"]) == tuple(method.values())
+        assert len(second["summary"]["rows"]) == 1
 
 
 def test_settings_survive_the_round_trip_through_command_line_flags():
@@ -285,6 +292,34 @@ def test_replacing_a_run_made_with_other_settings_is_announced(fixture_model_dir
     messages = []
     finetune(fixture_model_dir, dataclasses.replace(settings, warmup=0.1), log=messages.append)
     assert any(m.startswith("warning: replacing ") and "warmup 0.06 -> 0.1" in m for m in messages), messages
+
+
+def test_max_seq_len_given_as_the_models_own_is_the_same_run_as_the_default(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                submission=False)
+    finetune(fixture_model_dir, dataclasses.replace(settings, max_seq_len=128), log=quiet)   # the model's 128
+    said = []
+    result = run_sweep(fixture_model_dir, [settings], log=said.append)
+    assert result["skipped"] == [settings.run_name] and not any("replacing" in m for m in said), said
+    assert result["summary"]["dir"] == str(summary_dir(fixture_model_dir / "model", settings))
+    assert len(result["summary"]["rows"]) == 1
+
+
+def test_asking_a_run_made_without_test_predictions_for_them_writes_them_without_training_again(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    finetune(fixture_model_dir, dataclasses.replace(settings, submission=False), log=quiet)
+    out = run_dir(fixture_model_dir / "model", settings)
+    trained = (out / "best.model").stat().st_mtime_ns
+    assert not (out / "submission").exists()
+    said = []
+    result = finetune(fixture_model_dir, settings, log=said.append)
+    assert any("its submission was not made (--no-submission); redoing only the submission" in m for m in said), said
+    assert not any("replacing" in m for m in said) and (out / "best.model").stat().st_mtime_ns == trained
+    assert (out / "submission" / "MRPC.tsv").is_file() and result["settings"]["submission"] is True
+    # finished now, with or without a submission asked for; --no-submission does not retrain a run to drop one
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
+    no_files = dataclasses.replace(settings, submission=False)
+    assert run_sweep(fixture_model_dir, [no_files], log=quiet)["skipped"] == [settings.run_name]
 
 
 def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_model_dir):
@@ -502,6 +537,30 @@ def test_the_majority_baseline_and_a_classifier_that_predicts_one_class_are_repo
     assert one_class == ["dev"] and metrics["accuracy"] == pytest.approx(0.6)
 
 
+def test_a_prediction_does_not_depend_on_its_batch_mates_or_the_eval_batch_size(shared_dir):
+    # Nystrom's "original" pseudo-inverse init scales by a maximum over the batch: evaluated with its batch, an
+    # example's logits moved with the others in it (and --eval-batch-size changed dev scores). Each example alone.
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner
+    from nystromformer.glue.tasks import Example
+    from nystromformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    model = _tiny_classifier(tokenizer, 2)
+    assert model.config.inv_coeff_init_option == "original"
+    texts = ["a short one", "a much longer sentence " * 5, "x", "the cat sat on the mat", "words " * 9, "ok"]
+    examples = [Example(str(i), t, None, 0) for i, t in enumerate(texts)]
+    runner = Runner(model, torch.device("cpu"), False)
+
+    def logits(batch_size):
+        return runner.predict(DataLoader(EncodedDataset(examples, tokenizer, 32, False), batch_size=batch_size,
+                                         collate_fn=PadCollator(tokenizer.pad_token_id, False, pad_to=32)))
+    alone = logits(1)
+    for batch_size in (2, 6):
+        assert np.abs(logits(batch_size) - alone).max() < 1e-6   # with its batch: 1.2e-5 here
+    assert all(m.init_rows is None for m in model.modules() if hasattr(m, "init_rows"))  # training: the batch's
+
+
 def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
     # GPUs without bf16 fine-tune in fp16 (CPU autocast has it too): logits beyond its range must not become inf.
     from nystromformer.glue.encoding import EncodedDataset, PadCollator
@@ -559,15 +618,18 @@ def test_a_rerun_interrupted_after_its_first_weights_leaves_no_result_of_the_run
     settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
     finetune(fixture_model_dir, settings, log=quiet)
     out = run_dir(fixture_model_dir / "model", settings)
-    assert (out / "result.json").is_file()
+    epoch_log = fixture_model_dir / "model" / f"glue-{settings.run_name}.log"
+    assert (out / "result.json").is_file() and (out / "submission" / "MRPC.tsv").is_file() and epoch_log.is_file()
 
     def killed(*args, **kwargs):  # the rerun dies (kill -9, a crash) right after its first best.model
         raise KeyboardInterrupt
     monkeypatch.setattr("nystromformer.glue.finetune.atomic.write_text", killed)
     with pytest.raises(KeyboardInterrupt):
         finetune(fixture_model_dir, dataclasses.replace(settings, warmup=0.1), log=quiet)
-    # The old scores would describe the new weights: the run counts as unfinished and a sweep redoes it.
+    # The old scores, test predictions and epoch log would describe the new weights: gone; the run counts as
+    # unfinished and a sweep redoes it.
     assert (out / "best.model").is_file() and not (out / "result.json").exists()
+    assert not (out / "submission").exists() and not epoch_log.exists()
     monkeypatch.undo()
     assert run_sweep(fixture_model_dir, [settings], log=quiet)["ran"] == [settings.run_name]
 

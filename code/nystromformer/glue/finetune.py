@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from ..checkpoint import load as load_checkpoint
 from ..cli import say
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
-from ..model import NystromformerForSequenceClassification, fixed_weights
+from ..model import NystromformerForSequenceClassification, fixed_weights, set_batch_groups
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
 from ..tokenizer import check_tokenizer_fits, load_model_tokenizer
 from .encoding import EncodedDataset, PadCollator
@@ -131,8 +132,9 @@ def log_path(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
     return Path(checkpoint_dir) / f"glue-{settings.run_name}.log"
 
 
-# Settings that do not change a run's results (so a finished run still counts when they differ).
-PRESENTATION_SETTINGS = {"progress", "device", "eval_batch_size"}
+# Settings that do not change a run's dev scores (so a finished run still counts when they differ). A finished run
+# made without test predictions that is asked for them gets them from its best.model (``submission_to_redo``).
+PRESENTATION_SETTINGS = {"progress", "device", "eval_batch_size", "submission"}
 
 
 def _stored_result(checkpoint_dir: Path, settings: FinetuneSettings) -> Optional[dict]:
@@ -162,31 +164,70 @@ def padding_of(model_config) -> str:
     return PADDED_TO_MAX_SEQ_LEN if model_config.attn_type in PADDING_AMOUNT_MATTERS else PADDED_TO_LONGEST
 
 
+# How dev and test examples are predicted, recorded in result.json: each alone (the attention's batch-wide
+# statistics taken per example: model.set_batch_groups(model, 1)), since 2026-11-24. Before, Nystrom's "original"
+# pseudo-inverse init took its maximum over the whole eval batch, so a prediction moved with its batch mates and
+# --eval-batch-size (a review measured SST-2 dev accuracy 0.7167 / 0.7110 / 0.7099 at 1 / 64 / 872).
+EACH_EXAMPLE_ALONE, WITH_ITS_BATCH = "each example alone", "with its batch"
+
+
+def batch_coupled(model_config) -> bool:
+    """Whether the model's predictions depend on their batch mates unless evaluated each alone."""
+    return model_config.attn_type == "nystrom" and model_config.inv_coeff_init_option == "original"
+
+
+def method_of(model_config) -> dict:
+    """How this model's runs must have padded and evaluated their batches for their scores to count: the
+    evaluation only where the batch matters (``batch_coupled``)."""
+    method = {"padding": padding_of(model_config)}
+    if batch_coupled(model_config):
+        method["evaluation"] = EACH_EXAMPLE_ALONE
+    return method
+
+
 def recorded_padding(result: dict) -> str:
     return result.get("padding", PADDED_TO_LONGEST)
 
 
-def read_result(checkpoint_dir: Path, settings: FinetuneSettings, padding: Optional[str] = None) -> Optional[dict]:
+def recorded_method(result: dict) -> dict:
+    """How a stored run padded and evaluated (runs without the records: to the longest example, with its batch)."""
+    return {"padding": recorded_padding(result), "evaluation": result.get("evaluation", WITH_ITS_BATCH)}
+
+
+def method_differences(method: Optional[dict], result: dict) -> List[str]:
+    """``"batches padded old -> new"`` / ``"examples evaluated old -> new"`` where ``result`` was made otherwise."""
+    recorded = recorded_method(result)
+    words = {"padding": "batches padded", "evaluation": "examples evaluated"}
+    return [f"{words[k]} {recorded[k]} -> {v}" for k, v in (method or {}).items() if recorded[k] != v]
+
+
+def read_result(checkpoint_dir: Path, settings: FinetuneSettings, method: Optional[dict] = None) -> Optional[dict]:
     """The result of a run with these settings whose training completed, or None (a run of the same name made
-    with other settings -- subset sizes, warm-up... -- does not count, nor, given ``padding``, one whose batches
-    were padded otherwise). See ``is_finished`` for the submission."""
+    with other settings -- subset sizes, warm-up... -- does not count, nor, given ``method`` (``method_of``), one
+    whose batches were padded or evaluated otherwise). See ``is_finished`` for the submission."""
     result = _stored_result(checkpoint_dir, settings)
     if result is None or settings_differences(settings, result.get("settings", {})):
         return None
-    if padding is not None and recorded_padding(result) != padding:
+    if method_differences(method, result):
         return None
     return result
 
 
-def is_finished(result: Optional[dict], glue_dir: Optional[Path] = None) -> bool:
+def is_finished(result: Optional[dict], glue_dir: Optional[Path] = None, submission: bool = False) -> bool:
     """Trained and with every submission file written (a failed submission is redone by the next run), or
-    missing only for want of a test file that is still not in ``glue_dir`` (when given)."""
-    return result is not None and not submission_to_redo(result, glue_dir)
+    missing only for want of a test file that is still not in ``glue_dir`` (when given); and, asked for a
+    ``submission``, made with one."""
+    return result is not None and not submission_to_redo(result, glue_dir, submission)
 
 
-def submission_to_redo(result: dict, glue_dir: Optional[Path]) -> bool:
-    """Whether a trained run's submission failed, or lacks a file whose test file has appeared since."""
+def submission_to_redo(result: dict, glue_dir: Optional[Path], wanted: bool = False) -> bool:
+    """Whether a trained run's submission failed, lacks a file whose test file has appeared since, or (``wanted``)
+    was not made (the run had --no-submission): each redone from its best.model, without training."""
+    if result.get("diverged"):
+        return False  # no epoch had a finite score: nothing to predict with
     if result.get("submission_errors"):
+        return True
+    if wanted and not result.get("settings", {}).get("submission", True):
         return True
     missing = result.get("submission_missing", [])
     return bool(missing) and glue_dir is not None and any(
@@ -237,6 +278,7 @@ class Runner:
         """Logits (n, classes), or scores (n,) for regression, in dataset order. fp16's range can overflow while
         the weights are fine: then predicted again in fp32 (as pretraining's dev evaluation)."""
         self.model.eval()
+        set_batch_groups(self.model, 1)  # each example alone: no prediction moves with its batch mates
 
         def predict_all(amp: bool) -> np.ndarray:
             self.amp, was = amp, self.amp
@@ -246,9 +288,12 @@ class Runner:
             finally:
                 self.amp = was
 
-        outputs = predict_all(self.amp)
-        if self.amp and self.amp_dtype == torch.float16 and not np.isfinite(outputs).all():
-            outputs = predict_all(False)
+        try:
+            outputs = predict_all(self.amp)
+            if self.amp and self.amp_dtype == torch.float16 and not np.isfinite(outputs).all():
+                outputs = predict_all(False)
+        finally:
+            set_batch_groups(self.model, None)  # training takes its statistics over its batch, as the paper's
         return outputs
 
 
@@ -290,6 +335,14 @@ def _load_examples(glue_dir: Path, task: Task, split: str, log, skipped: Dict[st
         log(f"warning: {result.report()}")
         skipped[split] = len(result.malformed)  # kept in result.json: a score over fewer rows than the file has
     return result.examples
+
+
+def with_model_length(settings: FinetuneSettings, cfg) -> FinetuneSettings:
+    """``settings`` with a --max-seq-len equal to the model's own as the default (None): the same run, the same
+    run folder's result and the same sweep summary either way."""
+    if settings.max_seq_len == cfg.model.max_seq_len:
+        return dataclasses.replace(settings, max_seq_len=None)
+    return settings
 
 
 def check_max_seq_len(cfg, max_seq_len: Optional[int]) -> int:
@@ -344,6 +397,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     check_environment()  # fail before the slow parts
     device = resolve_device(settings.device)
     cfg = load_config(model_dir)
+    settings = with_model_length(settings, cfg)
     task = get_task(settings.task)
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
@@ -363,23 +417,27 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
                                cfg.model.num_sen_type > 1, settings, out_dir, log=log)
 
     best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
-    padding = padding_of(cfg.model)
-    previous = read_result(checkpoint_dir, settings, padding)
-    if previous is not None and submission_to_redo(previous, cfg.glue_dir) and best_path.is_file():
-        why = "failed" if previous.get("submission_errors") else "lacks a file whose test file is there now"
+    padding, method = padding_of(cfg.model), method_of(cfg.model)
+    previous = read_result(checkpoint_dir, settings, method)
+    if previous is not None and submission_to_redo(previous, cfg.glue_dir, settings.submission) and best_path.is_file():
+        why = ("failed" if previous.get("submission_errors") else
+               "was not made (--no-submission)" if not previous["settings"].get("submission", True) else
+               "lacks a file whose test file is there now")
         log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
         return submit(previous)
     stored = _stored_result(checkpoint_dir, settings)
     if stored is not None and previous is None:
-        differences = settings_differences(settings, stored.get("settings", {}))
-        if recorded_padding(stored) != padding:
-            differences.append(f"batches padded {recorded_padding(stored)} -> {padding}")
+        differences = settings_differences(settings, stored.get("settings", {})) + method_differences(method, stored)
         log(f"warning: replacing {out_dir}, a run made with other settings ({', '.join(differences)})")
     # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
-    # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model.
+    # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model; so must its
+    # test predictions and epoch log, which would otherwise sit beside weights they were not made from.
     if (out_dir / "result.json").exists():
         (out_dir / "result.json").unlink()
         atomic.fsync_dir(out_dir)
+    if (out_dir / "submission").is_dir():
+        shutil.rmtree(out_dir / "submission")
+    log_file.unlink(missing_ok=True)
 
     total_steps = settings.epochs * len(data.train_loader)
     optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
@@ -404,6 +462,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
               "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows, "padding": padding,
+              "evaluation": EACH_EXAMPLE_ALONE,
               "submission": [], "submission_errors": [], "submission_missing": []}
     if math.isnan(best["score"]):
         # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
@@ -491,8 +550,8 @@ def _submit(runner: Runner, model: torch.nn.Module, task: Task, glue_dir: Path, 
         files, errors, missing = write_task_submission(runner, task, glue_dir, tokenizer, max_seq_len,
                                                        with_token_types, settings.eval_batch_size,
                                                        out_dir / "submission", log)
-    result = {**result, "submission": [str(p) for p in files], "submission_errors": errors,
-              "submission_missing": missing}
+    result = {**result, "settings": {**result["settings"], "submission": settings.submission},
+              "submission": [str(p) for p in files], "submission_errors": errors, "submission_missing": missing}
     atomic.write_json(out_dir / "result.json", result)
     if errors:
         raise SubmissionError(f"{'; '.join(errors)}. The trained run is kept in {out_dir}: fix the file and rerun "

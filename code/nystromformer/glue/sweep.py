@@ -36,8 +36,9 @@ from ..cli import say
 from ..config import load_config
 from ..errors import UserError
 from ..runtime import resolve_device
-from .finetune import (PADDED_TO_LONGEST, PRESENTATION_SETTINGS, FinetuneSettings, SettingsError, check_max_seq_len,
-                       check_task_folder, finetune, is_finished, padding_of, read_result, recorded_padding, run_dir)
+from .finetune import (PADDED_TO_LONGEST, PRESENTATION_SETTINGS, WITH_ITS_BATCH, FinetuneSettings, SettingsError,
+                       check_max_seq_len, check_task_folder, finetune, is_finished, method_differences, method_of,
+                       read_result, run_dir, with_model_length)
 from .metrics import better_score
 from .tasks import TASKS, GlueDataError, get_task, submission_file_names
 
@@ -74,7 +75,7 @@ def summary_dir(checkpoint_dir: Path, settings: FinetuneSettings) -> Path:
 # What a sweep varies. Its runs share every other setting that changes a dev score, and a summary compares only
 # runs that share them too (submission: whether test predictions are written; no dev score changes with it).
 GRID_AXES = ("task", "lr", "batch_size")
-NOT_COMPARED = {*GRID_AXES, *PRESENTATION_SETTINGS, "submission"}
+NOT_COMPARED = {*GRID_AXES, *PRESENTATION_SETTINGS}
 
 
 def shared_settings(settings: FinetuneSettings) -> dict:
@@ -157,9 +158,10 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         raise SettingsError(f"a sweep's runs must share every setting but {', '.join(GRID_AXES)} (its summary "
                             f"compares runs made alike); run one sweep per combination")
     cfg = load_config(model_dir)
+    runs = [with_model_length(s, cfg) for s in runs]
     checkpoint_dir, glue_dir = cfg.checkpoint_dir, cfg.glue_dir
-    padding = padding_of(cfg.model)
-    pending = [s for s in runs if not is_finished(read_result(checkpoint_dir, s, padding), glue_dir)]
+    method = method_of(cfg.model)
+    pending = [s for s in runs if not is_finished(read_result(checkpoint_dir, s, method), glue_dir, s.submission)]
     skipped = [s.run_name for s in runs if s not in pending]
     if skipped:
         log(f"skipping {len(skipped)} finished run(s): {', '.join(skipped)}")
@@ -229,19 +231,19 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
                 else:  # not a user's mistake: the traceback, as a subprocess run's console.txt would keep it
                     log(f"FAILED {settings.run_name}: {type(e).__name__}: {e}\n{traceback.format_exc().rstrip()}")
 
-    summary = write_summary(checkpoint_dir, runs, log=log, glue_dir=glue_dir, padding=padding)
+    summary = write_summary(checkpoint_dir, runs, log=log, glue_dir=glue_dir, method=method)
     return {"summary": summary, "ran": [s.run_name for s in pending if s.run_name not in failed],
             "skipped": skipped, "failed": failed}
 
 
 def finished_runs(checkpoint_dir: Path, like: FinetuneSettings, log: Callable[[str], None] = say,
-                  padding: Optional[str] = None) -> List[tuple]:
+                  method: Optional[dict] = None) -> List[tuple]:
     """(settings, result) of every run in ``<checkpoint_dir>/glue/`` whose training completed with ``like``'s
     shared settings (see ``shared_settings``), in GLUE's task order, then by lr and batch size. Finished runs of the
     same summary folder (checkpoint, seed, training subset) made with other settings are left out, with a
     warning: their scores are not comparable (a longer schedule, other sequence lengths or dev subsets...); so are,
-    given ``padding``, runs whose batches were padded otherwise."""
-    found, others, padded_otherwise = [], [], []
+    given ``method`` (``method_of``), runs whose batches were padded or evaluated otherwise."""
+    found, others, made_otherwise = [], [], {}
     wanted = shared_settings(like)
     for path in sorted((Path(checkpoint_dir) / "glue").glob("*/result.json")):
         try:
@@ -259,15 +261,17 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings, log: Callable[[s
         if shared_settings(settings) != wanted:
             others.append(settings)
             continue
-        if padding is not None and recorded_padding(result) != padding:
-            padded_otherwise.append(settings.run_name)
+        differences = method_differences(method, result)
+        if differences:
+            made_otherwise.setdefault(", ".join(differences), []).append(settings.run_name)
             continue
         found.append((settings, result))
-    if padded_otherwise:
-        log(f"warning: {len(padded_otherwise)} finished run(s) in {Path(checkpoint_dir) / 'glue'} padded their "
-            f"batches {PADDED_TO_LONGEST} where this model's are padded {padding} (runs before 2026-11-23: a "
-            f"Nystrom model's predictions then depended on their batch; docs/glue.md, 'Padding') and are not in the "
-            f"summary: {', '.join(padded_otherwise)}; rerun the sweep to redo them")
+    for differences, names in made_otherwise.items():
+        log(f"warning: {len(names)} finished run(s) in {Path(checkpoint_dir) / 'glue'} were made otherwise than this "
+            f"model's runs must be ({differences}: runs before 2026-11-23 padded their batches {PADDED_TO_LONGEST}, "
+            f"before 2026-11-24 evaluated each example {WITH_ITS_BATCH}; a Nystrom model's predictions then depended "
+            f"on their batch: docs/glue.md, 'Padding') and are not in the summary: {', '.join(names)}; rerun the "
+            f"sweep to redo them")
     if others:
         theirs: Dict[str, set] = {}
         for s in others:
@@ -283,14 +287,14 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings, log: Callable[[s
 
 
 def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Callable[[str], None] = say,
-                  glue_dir: Optional[Path] = None, padding: Optional[str] = None) -> dict:
+                  glue_dir: Optional[Path] = None, method: Optional[dict] = None) -> dict:
     """summary.csv (one row per finished run made with the sweep's shared settings, whichever sweep ran it),
     summary.md (that table, the best configuration of each task and the average of those), dev_scores.png
     (dev score per epoch) and submission/ (the best run's test predictions of each task, the leaderboard's files).
     The average is the GLUE average only when it covers every GLUE task; ``average_tasks`` says which it covers."""
     if not runs:
         raise SettingsError("the sweep has no runs (no tasks, learning rates or batch sizes given)")
-    results = finished_runs(checkpoint_dir, runs[0], log, padding)
+    results = finished_runs(checkpoint_dir, runs[0], log, method)
     out = summary_dir(checkpoint_dir, runs[0])
     metric_names = sorted({m for _, r in results for m in r["best_metrics"]})
     rows = [{"task": s.task, "checkpoint": s.checkpoint, "lr": f"{s.lr:g}", "batch_size": s.batch_size,
@@ -341,7 +345,7 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     atomic.write_text(out / "summary.md", "\n".join(md))
 
     plot = _plot_dev_scores(results, out / "dev_scores.png") if results else None
-    unfinished = sum(not is_finished(read_result(checkpoint_dir, s, padding), glue_dir) for s in runs)
+    unfinished = sum(not is_finished(read_result(checkpoint_dir, s, method), glue_dir, s.submission) for s in runs)
     state = (f"all {len(runs)} of this sweep's runs are finished" if not unfinished else
              f"{unfinished} of this sweep's {len(runs)} runs are not finished: rerun the sweep to complete them")
     log(f"sweep summary of {len(rows)} finished run(s) written to {out}; {state}")
