@@ -763,6 +763,11 @@ def test_a_sweep_over_a_task_whose_folder_is_missing_stops_before_the_first_run(
     with pytest.raises(UserError, match=r"glue_dataset_folder: no RTE/ in .*; or leave RTE out of --tasks"):
         run_sweep(fixture_model_dir, runs, log=quiet)
     assert not (fixture_model_dir / "model" / "glue").exists()
+    # several missing: all named in one error, not one per rerun
+    runs = grid(["MRPC", "RTE", "SST-2", "CoLA"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
+    with pytest.raises(UserError, match=r"glue_dataset_folder: no RTE/, SST-2/, CoLA/ in .*; or leave RTE, SST-2, CoLA "
+                                        r"out of --tasks"):
+        run_sweep(fixture_model_dir, runs, log=quiet)
 
 
 def test_a_malformed_grid_value_is_named_with_its_flag(fixture_model_dir, capsys):

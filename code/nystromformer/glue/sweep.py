@@ -171,11 +171,19 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         find_model(checkpoint_dir, runs[0].checkpoint)
         check_max_seq_len(cfg, runs[0].max_seq_len)
         atomic.check_writable_folder(Path(checkpoint_dir) / "glue", "the sweep's runs")
+        missing = []  # every task whose folder is missing, named at once (not one fix and rerun per task)
         for task in dict.fromkeys(s.task for s in pending):
             try:
                 check_task_folder(cfg, get_task(task))
             except GlueDataError as e:
-                raise GlueDataError(f"{e}; or leave {task} out of --tasks") from None
+                missing.append((task, e))
+        if len(missing) == 1:
+            raise GlueDataError(f"{missing[0][1]}; or leave {missing[0][0]} out of --tasks")
+        if missing:
+            folders = ", ".join(f"{get_task(t).folder}/" for t, _ in missing)
+            raise GlueDataError(f"{cfg.config_file}: glue_dataset_folder: no {folders} in {cfg.glue_dir} (the GLUE "
+                                f"data folder, with one folder per task); or leave "
+                                f"{', '.join(t for t, _ in missing)} out of --tasks")
     failed: List[str] = []
 
     if devices:
