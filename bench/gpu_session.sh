@@ -10,6 +10,7 @@
 #                                         # iteration on mma.sync instead of wgmma (DISABLE_MMA_V3=1)
 #   bash bench/gpu_session.sh attention   # issue #6 attention table (time, memory, ratios, error) + plot + kernels
 #   bash bench/gpu_session.sh settings    # the n-long kernels' launch settings swept, each wrapper alone
+#   bash bench/gpu_session.sh settings_fp32  # the same for fp32 inputs, into best.json's fp32 section
 #   bash bench/gpu_session.sh tuned       # the sweep's best settings in force: GPU tests, attention, training
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
@@ -41,7 +42,7 @@ limited() {
   if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
   timeout "$(( left < limit ? left : limit ))" "$@"
 }
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings tuned model loop compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -93,6 +94,14 @@ stage_settings() {
   # layer's bytes are ~1.9x the floor's, its time 7.1x): each wrapper in its own process, outputs checked
   local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"  # ~70 settings to compile: give it a call
   limited "$python" bench/kernel_settings.py --lengths 4096 65536 --best "$d/best.json" | tee "$d/kernel-settings.md"
+}
+
+stage_settings_fp32() {
+  # the same for fp32 inputs (the shipped folders' attention_fp32: true), into best.json's fp32 section; its own
+  # call: fp32 settings compile slower, and some do not fit (their rows say so and never become best)
+  local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"
+  limited "$python" bench/kernel_settings.py --dtype fp32 --lengths 4096 65536 --best "$d/best.json" \
+    | tee "$d/kernel-settings-fp32.md"
 }
 
 stage_tuned() {
