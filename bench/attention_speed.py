@@ -28,7 +28,12 @@ tokens·h·d elements) over the device-to-device copy bandwidth measured at star
 output against the fp32 reference on the first batch element (--check). --graphs (CUDA): the same forward+backward
 also captured once as a CUDA graph and replayed (median of --repeat, L2 flushed), so no host time sits between
 its launches — the kernels' own time, and what training gets with `gpu_setting.compile: reduce-overhead`; its
-ratios are to SDPA's graph and to the floor. A capture that fails is named under the table.
+ratios are to SDPA's graph and to the floor. A capture that fails is named under the table. "host ms" (CUDA): the
+median time the host takes to issue one forward+backward while the device is still busy with a sleep queued before
+it — so no launch waits for the device, and the figure is the host's own work (Python, autograd, dispatch, the
+launchers). Next to "ms" it says which side bounds the eager time: host ms near ms means the device waited for
+the host. A host that had to wait for the device (a synchronization inside the pass) shows as at least the
+sleep's length, and is named under the table.
 
     python bench/attention_speed.py                          # CUDA, issue #6's lengths, one table
     python bench/attention_speed.py --csv out.csv --plot docs/img/attention_speed.png --check
@@ -57,6 +62,8 @@ IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", 
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
 # Not run by default: for comparisons of one change (--impls ... fast-triton-all-conv-apart)
 EXTRA_IMPLS = ["fast-triton-all-conv-apart", "fast-triton-all-conv-bwd-apart", "fast-triton-all-recompute"]
+# The least device sleep queued before the host timing: well above any pass's host time seen so far (~5 ms)
+HOST_BUSY_MS = 25.0
 
 
 def with_env(env, fn):
@@ -186,6 +193,10 @@ def run_with_switches(name, layer, b, n, args, device, flush):
         time_once(fn, (q, k, v, mask), grad, params, device, flush)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     times = [time_once(fn, (q, k, v, mask), grad, params, device, flush) for _ in range(args.repeat)]
+    host = None
+    if device.type == "cuda":
+        busy_ms = max(HOST_BUSY_MS, 4 * statistics.median(times))
+        host = (time_host(fn, (q, k, v, mask), grad, params, args.repeat, busy_ms), busy_ms)
     graphed = None
     if args.graphs and device.type == "cuda":
         graphed = time_graphed(fn, (q, k, v, mask), grad, params, flush, args.repeat)
@@ -195,7 +206,35 @@ def run_with_switches(name, layer, b, n, args, device, flush):
             q1, k1, v1 = (t[:1].float() for t in (q, k, v))
             ref = layer.reference_forward(q1, k1, v1, mask[:1])
             err = ((fn(q[:1], k[:1], v[:1], mask[:1]).float() - ref).norm() / ref.norm()).item()
-    return statistics.median(times), peak, err, graphed
+    return statistics.median(times), peak, err, graphed, host
+
+
+_CYCLES_PER_MS = []
+
+
+def sleep_cycles(ms):
+    """GPU clock cycles for torch.cuda._sleep to keep the device busy for about ``ms`` (calibrated once)."""
+    if not _CYCLES_PER_MS:
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); torch.cuda._sleep(10_000_000); e.record(); torch.cuda.synchronize()
+        _CYCLES_PER_MS.append(10_000_000 / s.elapsed_time(e))
+    return int(ms * _CYCLES_PER_MS[0])
+
+
+def time_host(fn, args, grad, params, repeat, busy_ms):
+    """Median ms the host takes to issue one forward+backward behind ``busy_ms`` of queued device sleep: the host's
+    own time per pass, with no launch waiting for the device. A pass that synchronizes waits out the sleep, so a
+    figure of about ``busy_ms`` or more means the host waited for the device."""
+    cycles, times = sleep_cycles(busy_ms), []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t = time.perf_counter()
+        torch.autograd.grad(fn(*args), params, grad)
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def time_graphed(fn, args, grad, params, flush, repeat):
@@ -285,16 +324,21 @@ def main(argv=None):
     layer = build_attention(cfg).to(device)
     bandwidth = measure_bandwidth(device)
     flush = torch.empty(64 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-    rows, graph_errors = [], []
+    rows, graph_errors, host_waits = [], [], []
     for n in args.lengths:
         b = max(1, args.tokens // n)
         sdpa_ms = sdpa_graph_ms = None
         for name in args.impls:
             try:
-                ms, peak, err, graphed = run(name, layer, b, n, args, device, flush)
+                ms, peak, err, graphed, host = run(name, layer, b, n, args, device, flush)
             except torch.OutOfMemoryError:
-                ms = peak = err = graphed = None
+                ms = peak = err = graphed = host = None
                 torch.cuda.empty_cache()
+            host_ms = None
+            if host is not None:
+                host_ms, busy_ms = host
+                if host_ms >= 0.9 * busy_ms:
+                    host_waits.append(f"{name} at n = {n}: {host_ms:.1f} ms behind {busy_ms:.1f} ms of device sleep")
             if isinstance(graphed, str):
                 graph_errors.append(f"{name} at n = {n}: {graphed}")
                 graphed = None
@@ -302,7 +346,7 @@ def main(argv=None):
                 sdpa_ms, sdpa_graph_ms = ms, graphed
             elem = 4 if name in ("paper-fp32",) or name.endswith("fp32") else 2
             floor_ms = 12 * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth else None
-            row = dict(n=n, batch=b, impl=name, ms=ms, peak_mib=peak,
+            row = dict(n=n, batch=b, impl=name, ms=ms, host_ms=host_ms, peak_mib=peak,
                        vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),
                        x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err)
             if args.graphs:
@@ -316,15 +360,18 @@ def main(argv=None):
           + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     graph_head = " graph ms | × SDPA's graph | × floor (graph) |" if args.graphs else ""
-    print("| n | batch | impl | ms | × SDPA | × floor | peak MiB | rel err |" + graph_head)
-    print("|---|---|---|---|---|---|---|---|" + "---|" * graph_head.count("|"))
+    print("| n | batch | impl | ms | host ms | × SDPA | × floor | peak MiB | rel err |" + graph_head)
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * graph_head.count("|"))
     for r in rows:
         graph_cells = (f" {fmt(r['graph_ms'], '.3f')} | {fmt(r['graph_vs_sdpa'], '.3f')} | "
                        f"{fmt(r['graph_x_floor'], '.1f')} |" if args.graphs else "")
-        print(f"| {r['n']} | {r['batch']} | {r['impl']} | {fmt(r['ms'], '.3f')} | {fmt(r['vs_sdpa'], '.3f')} | "
+        print(f"| {r['n']} | {r['batch']} | {r['impl']} | {fmt(r['ms'], '.3f')} | {fmt(r['host_ms'], '.3f')} | "
+              f"{fmt(r['vs_sdpa'], '.3f')} | "
               f"{fmt(r['x_floor'], '.1f')} | {fmt(r['peak_mib'], '.0f')} | {fmt(r['rel_err'], '.1e')} |" + graph_cells)
     for note in graph_errors:
         print(f"\nCUDA graph not captured: {note}")
+    for note in host_waits:
+        print(f"\nThe host waited for the device (a synchronization inside forward+backward): {note}")
     for name in args.kernels or []:
         for n in args.lengths:
             print(f"\n# kernels of {name}, n={n}, batch={max(1, args.tokens // n)} (one fwd+bwd, self CUDA time)")

@@ -21,7 +21,9 @@ one forward + backward with each launch's body skipped (``kernel[grid](...)`` re
 then garbage, but no step of this path depends on values), i.e. our Python, autograd, dispatch and the aten
 operators on these CPU tensors. With NYSTROM_TRITON=1 those operators include the SDPA passes and the m × m
 products, computed on the CPU, so only the ``all`` rows are host work alone. What a launch itself costs a GPU's
-host comes on top, once per launch counted.
+host comes on top, once per launch counted; its Python part is the last column, "Triton's binding": Triton 3.6's
+own work per launch before its C++ launcher (switches, argument binding and specialization, the kernel cache's
+lookup), for an sm_90 target with each launch's own arguments, summed over the layer's Triton launches.
 A comparison between variants and commits on one machine, not a GPU host's figure.
 ``--step`` counts instead the launches one encoder layer adds to a whole MLM training step (forward, loss and
 backward under bf16 autocast, as ``mixed_precision`` pretraining runs; a 2-layer model's count less a 1-layer
@@ -49,6 +51,42 @@ NOT_LAUNCHES = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_
                 "promote_types", "_unsafe_view"}
 
 
+RECORDED = None  # when a list: every Triton launch's (function, arguments, keyword arguments)
+
+
+def triton_binding_us(launches) -> float:
+    """µs of Triton's own host work before its C++ launcher, summed over ``launches``: what
+    ``JITFunction.run`` does on every launch of a compiled kernel — read its switches, bind and specialize the
+    arguments (types, alignment, integers equal to 1 or divisible by 16) and look the kernel up in its cache —
+    for an sm_90 target, timed here with each launch's own arguments (fastest of 5 runs of 200). Triton 3.6's
+    internals; what the C++ launcher and the driver then take is not in it."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    total = 0.0
+    for fn, a, kw in launches:
+        jitted = JITFunction(fn)
+        binder, cache = create_function_from_signature(jitted.signature, jitted.params, backend), {}
+
+        def front():
+            options = dict(kw, debug=kw.get("debug") or knobs.runtime.debug,
+                           instrumentation_mode=knobs.compilation.instrumentation_mode)
+            _, specialization, options = binder(*a, **options)
+            compute_cache_key(cache, specialization, options)
+        for _ in range(20):
+            front()
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(200):
+                front()
+            runs.append((time.perf_counter() - start) / 200)
+        total += min(runs)
+    return total * 1e6
+
+
 def counters(args):
     """(launches Counter, a TorchDispatchMode that fills it, [Triton launches], [skip kernel bodies]): the aten
     operators that launch a kernel, and the Triton launches (counted where the interpreter runs one)."""
@@ -70,6 +108,8 @@ def counters(args):
 
         def counted(self, *a, **kw):
             triton_launches[0] += 1
+            if RECORDED is not None:
+                RECORDED.append((self.fn, a, {k: v for k, v in kw.items() if k not in ("grid", "warmup")}))
             if skip_kernels[0]:
                 return None
             inside_kernel[0] = True
@@ -125,6 +165,11 @@ def count(args) -> None:
             fn().sum().backward()
             samples.append(time.perf_counter() - start)
         host_us = f" {statistics.median(samples[3:]) * 1e6:.0f}"
+        if triton_launches[0]:
+            global RECORDED
+            RECORDED, skip_kernels[0] = [], False
+            fn().sum().backward()
+            host_us += f" {triton_binding_us(RECORDED):.0f}"
     print(*counted_launches, end=host_us + "\n")
     if args.verbose:
         print(dict(launches.most_common()), file=sys.stderr)
@@ -239,17 +284,20 @@ def main(argv=None):
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
           f"64 landmarks, conv 33 (counted on the CPU; Triton under its interpreter)")
-    host = " | host µs around the launches, mask / mask=None" if args.host_time else ""
+    host = (" | host µs around the launches, mask / mask=None | Triton's binding µs, mask / mask=None"
+            if args.host_time else "")
     print(f"| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total{host} |")
-    print("|---|---|---|" + ("---|" if args.host_time else ""))
+    print("|---|---|---|" + ("---|---|" if args.host_time else ""))
     for label, variant, mode in rows:
-        cells, hosts = [], []
+        cells, hosts, bindings = [], [], []
         for mask in ("ones", "none"):
             aten, triton, host_us = run_child(args, variant, mode, mask, label)
             cells.append(f"{aten} + {triton} = {aten + triton}")
             # without Triton kernels the time is the operators' own CPU compute, not host overhead
-            hosts.extend(host_us if triton else ["n/a"] * len(host_us))
-        print(f"| {label} | {cells[0]} | {cells[1]} |" + (f" {' / '.join(hosts)} |" if hosts else ""))
+            hosts.append(host_us[0] if triton and host_us else "n/a")
+            bindings.append(host_us[1] if triton and len(host_us) > 1 else "n/a")
+        print(f"| {label} | {cells[0]} | {cells[1]} |"
+              + (f" {' / '.join(hosts)} | {' / '.join(bindings)} |" if args.host_time else ""))
 
 
 def run_child(args, variant, mode, mask, label=None):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,8 +39,9 @@ def test_attention_speed_prints_a_row_per_length_and_implementation_with_errors(
     rows = table_rows(lines)
     assert [(r[0], r[2]) for r in rows] == [(n, impl) for n in ("64", "128")
                                             for impl in ("sdpa", "paper-fp32", "fast-torch")]
-    for n, batch, impl, ms, *_, err in rows:
+    for n, batch, impl, ms, host_ms, *_, err in rows:
         assert float(ms) > 0
+        assert host_ms == "n/a"       # the host's own time is measured behind a device sleep: CUDA only
         if impl == "fast-torch":
             assert float(err) < 1e-2      # bf16 against the fp32 reference
 
@@ -49,6 +51,22 @@ def test_attention_speed_asked_for_cuda_graphs_without_cuda_says_so():
     proc = subprocess.run([sys.executable, "bench/attention_speed.py", "--device", "cpu", "--graphs"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--graphs needs a CUDA device" in proc.stderr, proc.stderr[-500:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_devices_sleep():
+    # attention_speed's "host ms": the host issues the pass behind a queued device sleep, so a pass that never
+    # waits for the device takes a small part of the sleep, and one that reads a value back (.item(): a
+    # synchronization) waits all of it out — which the table then names.
+    sys.path.insert(0, str(REPO / "bench"))
+    import attention_speed as a
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    grad = torch.ones_like(x)
+    free = a.time_host(lambda t: t * 2, (x,), grad, [x], repeat=5, busy_ms=50.0)
+    synced = a.time_host(lambda t: t * float(t.sum()), (x,), grad, [x], repeat=5, busy_ms=50.0)
+    assert free < 10.0, free
+    assert synced >= 0.9 * 50.0, synced
 
 
 def test_attention_speeds_one_node_variants_run_what_they_name_and_restore_the_switches():
@@ -219,6 +237,17 @@ def test_glue_batch_dependence_shows_fixed_padding_predictions_independent_of_th
     fixed = [r for r in rows if r[0] == "fixed"]
     assert all(r[3] == "0" for r in fixed)  # fixed padding: no prediction moves with the batch
     assert all(float(r[4]) < 1e-3 for r in fixed)  # only the pinv init's batch-wide scale couples a batch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_launch_count_host_time_adds_tritons_own_binding_work_for_each_launch_it_counted():
+    # One variant's child: "aten triton host_µs binding_µs". The binding is Triton's own host work per launch
+    # (its compiled-kernel path, for an sm_90 target), timed with the arguments of each of the 13 launches.
+    out = run_script("bench/launch_count.py", "--n", "128", "--child", "nystrom", "none", "--host-time",
+                     "--repeats", "3", TRITON_INTERPRET="1", NYSTROM_TRITON="all", NYSTROM_IMPL="fast")
+    aten, triton, host_us, binding_us = (int(x) for x in out[-1].split())
+    assert triton == 13 and host_us > 0
+    assert 13 * 0.5 < binding_us < 13 * 200   # µs: some work for each launch, far from a compile
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
