@@ -1,7 +1,7 @@
 """How precise must the pseudo-inverse iteration's products be? Emulated on the CPU, no GPU needed.
 
 The iteration (6 steps of 4 products on 64 × 64 matrices per batch·head) is the part of Nyström attention that the
-n = 512 target cannot afford (docs/performance.md, "What is left" 6). On Hopper a product with bf16 operands runs
+n = 512 target cannot afford (docs/performance.md, "What is left", the n = 512 item). On Hopper a product with bf16 operands runs
 at twice the tensor-core rate of tf32 — if the iteration tolerates bf16's 8-bit significand. This script rounds
 the operands of every product of the landmark middle (kernel_2's scores, the iteration, Z·W) to tf32 (11 bits)
 or bf16 (8 bits), accumulates in fp64, and compares Z and the attention output kernel_1 · Z · W with the fp64
