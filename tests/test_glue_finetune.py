@@ -322,6 +322,23 @@ def test_asking_a_run_made_without_test_predictions_for_them_writes_them_without
     assert run_sweep(fixture_model_dir, [no_files], log=quiet)["skipped"] == [settings.run_name]
 
 
+def test_rerunning_a_finished_run_does_nothing_and_without_a_submission_keeps_the_one_it_has(fixture_model_dir):
+    # As `pretrain` on a finished run: `glue` with the settings of a finished run neither trains again nor
+    # deletes its test predictions, with or without --no-submission; it says so and returns the stored result.
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False)
+    first = finetune(fixture_model_dir, settings, log=quiet)
+    out = run_dir(fixture_model_dir / "model", settings)
+    trained, predicted = ((out / name).stat().st_mtime_ns for name in ("best.model", "submission/MRPC.tsv"))
+    for again in (settings, dataclasses.replace(settings, submission=False)):
+        said = []
+        result = finetune(fixture_model_dir, again, log=said.append)
+        assert any(m.startswith(f"{out}: finished earlier with these settings (best dev score ")
+                   and m.endswith("nothing to do. To train it again, delete that folder") for m in said), said
+        assert result == first
+        assert (out / "best.model").stat().st_mtime_ns == trained
+        assert (out / "submission" / "MRPC.tsv").stat().st_mtime_ns == predicted
+
+
 def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_model_dir):
     settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=8, epochs=1, progress=False,
                                 submission=False)

@@ -425,6 +425,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
                "lacks a file whose test file is there now")
         log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
         return submit(previous)
+    if previous is not None and not previous.get("diverged") and best_path.is_file():
+        # as pretraining: rerunning a finished run does nothing (--no-submission keeps the files it has)
+        log(f"{out_dir}: finished earlier with these settings (best dev score {previous['best_score']:.4f} at epoch "
+            f"{previous['best_epoch']}); nothing to do. To train it again, delete that folder")
+        return previous
     stored = _stored_result(checkpoint_dir, settings)
     if stored is not None and previous is None:
         differences = settings_differences(settings, stored.get("settings", {})) + method_differences(method, stored)
