@@ -1,6 +1,8 @@
 """The pieces every command shares: the device a --device names, the fine-tuning learning-rate schedule."""
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,14 @@ def test_console_warnings_go_to_stderr_and_other_lines_to_stdout(capsys):
     console = capsys.readouterr()
     assert console.out == "resuming from cp-0000.cp\na line that mentions a warning: later on\n"
     assert console.err == "warning: skipping cp-0001.cp\n"
+
+
+def test_python_dash_m_nystromformer_is_the_nystromformer_command():
+    # For a checkout whose entry point is not installed (or another venv's): the same subcommands and status.
+    code = Path(__file__).resolve().parents[1] / "code"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(code)}
+    helped = subprocess.run([sys.executable, "-m", "nystromformer", "--help"], env=env, capture_output=True, text=True)
+    assert helped.returncode == 0 and "pretrain" in helped.stdout and "glue-sweep" in helped.stdout
+    wrong = subprocess.run([sys.executable, "-m", "nystromformer", "validate", "--model-dir", "/nonexistent/m"],
+                           env=env, capture_output=True, text=True)
+    assert wrong.returncode != 0 and "/nonexistent/m: no such model folder" in wrong.stderr
