@@ -1543,7 +1543,14 @@ def test_a_launch_settings_file_replaces_the_wrappers_settings_for_its_dtype_and
     ('{"bf16": {"conv_raw": {"tiles": true}}}', "bf16.conv_raw.tiles = True: expected a positive integer"),
     ('{"bf16": {"lq_forward_raw": {"rows": 48}}}', "bf16.lq_forward_raw.rows = 48: expected a power of two from "
                                                    "16 to 1024 (a tile side)"),
-    ('{"bf16": {"conv_raw": {"rows": 8}}}', "bf16.conv_raw.rows = 8: expected a power of two from 16 to 1024"),
+    ('{"bf16": {"conv_raw": {"rows": 8}}}', "bf16.conv_raw.rows = 8: expected a power of two from 16 to 512"),
+    # a tile of 1024 rows beside the conv's window of 2048 would be over Triton's 2^20 elements (a fuzz found it)
+    ('{"fp64": {"conv_raw": {"rows": 1024}}}', "fp64.conv_raw.rows = 1024: expected a power of two from 16 to 512 "
+                                               "(a tile side and the conv's window beside it)"),
+    ('{"bf16": {"lk_forward_raw": {"rows": 1024}}}', "bf16.lk_forward_raw.rows = 1024: expected a power of two "
+                                                     "from 16 to 512"),
+    ('{"bf16": {"conv_weight_grad_mm": {"rows": 1024}}}', "bf16.conv_weight_grad_mm.rows = 1024: expected"),
+    ('{"bf16": {"conv_backward_raw": {"rows": 1024}}}', "bf16.conv_backward_raw.rows = 1024: expected"),
     ('{"bf16": {"lq_combine": {"parts": 12}}}', "bf16.lq_combine.parts = 12: expected a power of two from 1 to"),
     ('{"bf16": {"conv_raw": {"num_warps": 6}}}', "bf16.conv_raw.num_warps = 6: expected 1, 2, 4, 8 or 16"),
     ('{"fp32": {"lq_backward_raw": {"num_warps": 8}}}', "fp32.lq_backward_raw.num_warps = 8: Triton 3.6 "

@@ -338,6 +338,9 @@ LAUNCH_SETTINGS = {
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 # Rows are tile sides (powers of two), at least tl.dot's 16 — but the combine's are landmark rows, no product
 MIN_ROWS = {"lq_combine": 1}
+# ... and at most 1024, or 512 where a tile of rows meets the conv's window of pow2(rows + conv - 1) rows: Triton
+# refuses a tensor over 2^20 elements (1024 x 2048 would be one at any conv above 1)
+MAX_ROWS = {"conv_raw": 512, "conv_weight_grad_mm": 512, "conv_backward_raw": 512, "lk_forward_raw": 512}
 
 
 def launch_settings() -> dict:
@@ -392,8 +395,11 @@ def _check_launch_setting(where: str, dtype: str, wrapper: str, given) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise AttentionSettingError(f"{where}: {name}: expected a positive integer")
         low = MIN_ROWS.get(wrapper, 16) if key == "rows" else 1
-        if key in ("rows", "parts") and not (_pow2_at_least(value, low) and value <= 1024):
-            raise AttentionSettingError(f"{where}: {name}: expected a power of two from {low} to 1024 (a tile side)")
+        high = MAX_ROWS.get(wrapper, 1024) if key == "rows" else 1024
+        if key in ("rows", "parts") and not (_pow2_at_least(value, low) and value <= high):
+            why = " and the conv's window beside it" if high < 1024 else ""
+            raise AttentionSettingError(f"{where}: {name}: expected a power of two from {low} to {high} "
+                                        f"(a tile side{why})")
         if key == "num_warps" and value not in (1, 2, 4, 8, 16):
             raise AttentionSettingError(f"{where}: {name}: expected 1, 2, 4, 8 or 16")
     # Triton 3.6 compiles pass 1's fp32 backward at 8 warps wrong on an H100 (docs/performance.md)
