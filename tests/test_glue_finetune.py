@@ -984,6 +984,7 @@ def test_a_parallel_sweep_gives_each_run_a_free_device_and_reports_every_failed_
         return running[device]
 
     monkeypatch.setattr(sweep.subprocess, "Popen", failing_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPUs "a" and "b", as the children are told
     runs = grid(["MRPC"], lrs=[1e-3, 2e-3, 3e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
     messages, outcome = [], {}
     worker = threading.Thread(target=lambda: outcome.update(run_sweep(fixture_model_dir, runs, devices=["a", "b"],
@@ -1009,6 +1010,7 @@ def test_a_sweep_given_one_device_runs_every_run_on_it_and_by_default_one_gpu_ru
         return real_popen([sys.executable, "-c", "import sys; sys.exit(3)"], env=env, **kwargs)
 
     monkeypatch.setattr(sweep.subprocess, "Popen", failing_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU 2, as the children are told
     flags = ["--tasks", "MRPC", "--checkpoint", "0", "--epochs", "1", "--batch-sizes", "2", "--device", "cpu",
              "--max-train-examples", "8", "--max-eval-examples", "8", "--no-progress", "--no-submission",
              "--model-dir", str(fixture_model_dir)]
@@ -1023,6 +1025,22 @@ def test_a_sweep_given_one_device_runs_every_run_on_it_and_by_default_one_gpu_ru
     assert (run_dir(fixture_model_dir / "model", grid(["MRPC"], lrs=[3e-3], batch_sizes=[2], checkpoint=0, epochs=1,
                                                       max_train_examples=8, max_eval_examples=8)[0])
             / "result.json").is_file()
+
+
+def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_switch_stops_before_its_first_run(
+        fixture_model_dir, monkeypatch, capsys):
+    # Each run would otherwise train on the CPU under CUDA_VISIBLE_DEVICES=0, or fail at its first forward.
+    from nystromformer.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = ["--tasks", "MRPC", "--checkpoint", "0", "--epochs", "1", "--batch-sizes", "2", "--lrs", "1e-3,2e-3",
+             "--no-progress", "--no-submission", "--model-dir", str(fixture_model_dir)]
+    assert main(["glue-sweep", "--devices", "0", *flags]) == 2
+    assert "error: --devices 0: PyTorch sees no CUDA GPU here" in capsys.readouterr().err
+    monkeypatch.setenv("NYSTROM_TRITON", "bogus")
+    assert main(["glue-sweep", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("NYSTROM_TRITON: expected one of 0, 1, all, got 'bogus'") == 1 and "FAILED" not in err
+    assert not (fixture_model_dir / "model" / "glue").exists() or not any((fixture_model_dir / "model" / "glue").iterdir())
 
 
 def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():

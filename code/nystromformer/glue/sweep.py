@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
+import torch
 
 from .. import atomic
 from ..checkpoint import find_model
 from ..cli import say
 from ..config import load_config
 from ..errors import UserError
-from ..runtime import resolve_device
+from ..runtime import check_environment, resolve_device
 from .finetune import (PADDED_TO_LONGEST, PRESENTATION_SETTINGS, WITH_ITS_BATCH, FinetuneSettings, SettingsError,
                        check_max_seq_len, check_task_folder, finetune, is_finished, method_differences, method_of,
                        read_result, run_dir, with_model_length)
@@ -166,8 +167,13 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
     if skipped:
         log(f"skipping {len(skipped)} finished run(s): {', '.join(skipped)}")
     if pending:  # what would fail every run fails the sweep once, before the first (a finished one needs neither)
+        check_environment()  # a misspelt NYSTROM_* would fail each run in turn
         if runs[0].device is not None:
             resolve_device(runs[0].device)
+        # each run would quietly train on the CPU instead (CUDA_VISIBLE_DEVICES="" asks for that: the API's CPU pool)
+        if devices and any(devices) and not torch.cuda.is_available():
+            raise SettingsError(f"--devices {','.join(devices)}: PyTorch sees no CUDA GPU here (torch "
+                                f"{torch.__version__}); leave --devices out to run the sweep on the CPU")
         find_model(checkpoint_dir, runs[0].checkpoint)
         check_max_seq_len(cfg, runs[0].max_seq_len)
         atomic.check_writable_folder(Path(checkpoint_dir) / "glue", "the sweep's runs")
