@@ -1043,6 +1043,37 @@ def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_swit
     assert not (fixture_model_dir / "model" / "glue").exists() or not any((fixture_model_dir / "model" / "glue").iterdir())
 
 
+def test_a_tokenizer_whose_files_changed_since_the_pretraining_data_was_built_is_refused(shared_dir, tmp_path):
+    # `train-tokenizer --overwrite` into the folder the shards were built with: same path, same size, other ids.
+    # meta.json's tokenizer_files_sha256 (what build-shards checks) stops fine-tuning and export before they start.
+    import shutil
+    from nystromformer.config import ConfigError, load_config
+    from nystromformer.interop import export_hf
+    from nystromformer.shards import make_meta, write_meta
+    from nystromformer.tokenizer import load_tokenizer, special_token_ids, tokenizer_files_digest
+    tok = tmp_path / "tok"
+    shutil.copytree(shared_dir / "tokenizers" / "roberta-base", tok)
+    folder = make_model_folder(tmp_path / "tiny", tok, FIXTURES)
+    (folder / "dataset").mkdir()
+    loaded = load_tokenizer(tok)
+    write_meta(folder / "dataset", make_meta(128, len(loaded), str(tok), special_token_ids(loaded),
+                                             tokenizer_files_sha256=tokenizer_files_digest(tok)))
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                max_train_examples=4, max_eval_examples=4, submission=False)
+    finetune(folder, settings, log=quiet)   # the data's own tokenizer: fine
+    vocab = json.loads((tok / "vocab.json").read_text())
+    vocab["hello"], vocab["world"] = vocab["world"], vocab["hello"]   # two ids swapped, size unchanged
+    (tok / "vocab.json").write_text(json.dumps(vocab))
+    says = (f"{folder / 'config.json'}: tokenizer: the files in {tok} are not those the pretraining data in "
+            f"{folder / 'dataset'} was tokenized with")
+    with pytest.raises(ConfigError) as err:
+        finetune(folder, dataclasses.replace(settings, lr=2e-3), log=quiet)
+    assert str(err.value).startswith(says), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=quiet)
+    assert str(err.value).startswith(says) and not (tmp_path / "hf").exists(), str(err.value)
+
+
 def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():
     base = FinetuneSettings(task="RTE", checkpoint=3)
     folder = summary_dir(Path("m"), base)

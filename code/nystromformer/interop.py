@@ -30,7 +30,8 @@ from .config import (Config, ConfigError, ModelConfig, as_recorded, config_from_
 from .errors import UserError
 from .model import POSITION_OFFSET, NystromformerForMaskedLM, NystromformerForSequenceClassification
 from .shards import ShardError, read_meta
-from .tokenizer import TOKENIZER_FILES, TokenizerError, load_tokenizer, model_tokenizer
+from .tokenizer import (TOKENIZER_FILES, TokenizerError, check_tokenizer_is_the_datas, load_tokenizer,
+                        model_tokenizer)
 
 PathLike = Union[str, Path]
 # transformers' NystromformerSelfAttention.iterative_inv always runs 6 iterations.
@@ -274,6 +275,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         raise InteropError("--num-labels checks a classifier: it applies with --glue-weights only")
     _remove_stale_staging(output, log)
     check_export_output(output, overwrite)
+    check_tokenizer_is_the_datas(cfg)  # a retrained tokenizer would be exported beside weights of other ids
     if glue_weights is not None:
         state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
         if num_labels is not None and num_labels != found:

@@ -2,8 +2,9 @@
 ``tokenizer.json``) and for the byte-level BPE that ``nystromformer train-tokenizer`` writes."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Optional, Union
 
 from .cli import say
 from .errors import UserError
@@ -81,6 +82,39 @@ def load_model_tokenizer(cfg):
         raise TokenizerError(f"{_tokenizer_setting(cfg)}: {e}") from None
 
 
+def tokenizer_files_digest(folder: Path) -> Optional[str]:
+    """A hash of what identifies a tokenizer folder's ids (the files of TOKENIZER_FILES that are present), as
+    build-shards records it in meta.json (``tokenizer_files_sha256``); None for a folder without any."""
+    digest, found = hashlib.sha256(), False
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+            found = True
+    return digest.hexdigest() if found else None
+
+
+def check_tokenizer_is_the_datas(cfg) -> None:
+    """The tokenizer a model folder uses must have the files its pretraining data was tokenized with, where the
+    data's meta.json records them (``tokenizer_files_sha256``): a tokenizer retrained into the same folder since
+    (``train-tokenizer --overwrite``) keeps its size and path but gives the ids other words. A ConfigError naming
+    the setting; nothing to compare (no data folder here, a hub name, an older meta.json) passes."""
+    from .config import ConfigError
+    from .shards import ShardError, read_meta
+
+    try:
+        path = model_tokenizer(cfg)
+        recorded = read_meta(cfg.data_dir).get("tokenizer_files_sha256")
+    except (ConfigError, ShardError):
+        return
+    if not recorded or not isinstance(path, Path) or not path.is_dir():
+        return
+    if tokenizer_files_digest(path) != recorded:
+        raise ConfigError(f"{_tokenizer_setting(cfg)}: the files in {path} are not those the pretraining data in "
+                          f"{cfg.data_dir} was tokenized with (its meta.json's tokenizer_files_sha256; retrained or "
+                          f"overwritten since?): the model's token ids would mean other words. Use the tokenizer "
+                          f"the data was built with")
+
+
 def check_tokenizer_fits(cfg, tokenizer, log=say) -> None:
     """The tokenizer a model folder uses (``model_tokenizer``) must be the one it was pretrained with: more tokens
     than ``model.vocab_size`` is a ConfigError (ids past the embedding table); a size other than the pretraining
@@ -100,6 +134,7 @@ def check_tokenizer_fits(cfg, tokenizer, log=say) -> None:
     if size != data_size:
         log(f"warning: {where}: {size} tokens, but the pretraining data in {cfg.data_dir} has a {data_size}-token "
             f"vocabulary: is this the tokenizer the model was pretrained with?")
+    check_tokenizer_is_the_datas(cfg)
 
 
 def special_token_ids(tokenizer) -> Dict[str, int]:

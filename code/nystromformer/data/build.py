@@ -28,7 +28,6 @@ re-run of a finished build touches no file. Every input (partition folders, toke
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import multiprocessing
@@ -45,7 +44,7 @@ from tqdm import tqdm
 from .. import atomic
 from ..errors import UserError
 from ..shards import make_meta, write_meta, write_shard, write_split_index
-from ..tokenizer import TOKENIZER_FILES, load_tokenizer, special_token_ids
+from ..tokenizer import load_tokenizer, special_token_ids, tokenizer_files_digest
 from .partitions import partition_files
 from .tokenize import DocumentEncoder
 
@@ -245,16 +244,6 @@ def tokenizer_identity(tokenizer) -> str:
     return os.path.abspath(path) if path.is_dir() else str(tokenizer)
 
 
-def _tokenizer_digest(folder: Path) -> Optional[str]:
-    """A hash of what identifies a tokenizer folder's ids (the files of TOKENIZER_FILES that are present)."""
-    digest, found = hashlib.sha256(), False
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
-            found = True
-    return digest.hexdigest() if found else None
-
-
 def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
     """Whether the tokenizer recorded in ``output``'s meta.json is ``tokenizer``, however either is spelled:
     the same folder (``tok``, ``tok/``, ``./x/../tok``, absolute) or folders with the same tokenizer files."""
@@ -266,7 +255,7 @@ def same_tokenizer(recorded: str, tokenizer, output: Path) -> bool:
     # Older builds recorded the path as typed: relative to the data folder, or to where the build ran.
     for candidate in (Path(output) / recorded, Path(recorded)):
         if candidate.is_dir() and (candidate.resolve() == new.resolve()
-                                   or _tokenizer_digest(candidate) == _tokenizer_digest(new)):
+                                   or tokenizer_files_digest(candidate) == tokenizer_files_digest(new)):
             return True
     return False
 
@@ -321,7 +310,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     # Check every input before writing anything: a failed command must not leave a meta.json behind.
     tasks = [Task.from_listing(d.name, d.ratio, path) for d in datasets for path in partition_files(d.folder)]
     tok = load_tokenizer(tokenizer)
-    digest = _tokenizer_digest(Path(tokenizer)) if Path(tokenizer).is_dir() else None
+    digest = tokenizer_files_digest(Path(tokenizer)) if Path(tokenizer).is_dir() else None
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
                      dev_run_unit=DEV_RUN_UNIT, special_token_text="as text", seed=seed, shard_size=shard_size,
