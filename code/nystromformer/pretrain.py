@@ -215,6 +215,12 @@ def _load_data(cfg: Config) -> tuple[ShardedSequences, Optional[ShardedSequences
     ps = cfg.pretraining_setting
     train = ShardedSequences(cfg.data_dir, "train")
     check_data(cfg, train)
+    data_len, model_len = train.meta["max_seq_len"], cfg.model.max_seq_len
+    if data_len < model_len:  # e.g. nystrom-4096 pointed at the 512 shards: it would train at 512 and say nothing
+        raise ConfigError(f"{cfg.config_file}: model.max_seq_len: {model_len} is longer than the data's sequences "
+                          f"({data_len} in {cfg.data_dir / 'meta.json'}): the positions past {data_len} would never "
+                          f"be trained; point data_folder at shards built at {model_len} tokens (build-shards "
+                          f"--max-seq-len {model_len}), or set max_seq_len to {data_len}")
     if not ps.validate_batches_per_epoch:
         return train, None
     dev_path = cfg.data_dir / "dev.json"
