@@ -940,6 +940,7 @@ def test_inputs_are_truncated_to_max_seq_len_and_each_epoch_reshuffles_by_the_se
         batches.clear()
         settings = FinetuneSettings(task="QNLI", checkpoint=0, lr=1e-3, batch_size=1, epochs=2, seed=seed,
                                     max_seq_len=12, progress=False, submission=False)
+        shutil.rmtree(run_dir(fixture_model_dir / "model", settings), ignore_errors=True)  # trained again
         finetune(fixture_model_dir, settings, log=quiet)
         assert max(b.shape[1] for b in batches) == 12  # the fixture's pairs are longer
         train = [tuple(b[0].tolist()) for b in batches if b.shape[0] == 1]
@@ -1046,7 +1047,6 @@ def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_swit
 def test_a_tokenizer_whose_files_changed_since_the_pretraining_data_was_built_is_refused(shared_dir, tmp_path):
     # `train-tokenizer --overwrite` into the folder the shards were built with: same path, same size, other ids.
     # meta.json's tokenizer_files_sha256 (what build-shards checks) stops fine-tuning and export before they start.
-    import shutil
     from nystromformer.config import ConfigError, load_config
     from nystromformer.interop import export_hf
     from nystromformer.shards import make_meta, write_meta
@@ -1072,6 +1072,34 @@ def test_a_tokenizer_whose_files_changed_since_the_pretraining_data_was_built_is
     with pytest.raises(ConfigError) as err:
         export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=quiet)
     assert str(err.value).startswith(says) and not (tmp_path / "hf").exists(), str(err.value)
+
+
+def test_a_run_made_under_other_model_settings_is_redone_and_settings_other_than_pretrainings_are_named(
+        fixture_model_dir):
+    # config.json edited after a run (more landmarks, other dropout): its scores are another model's. result.json
+    # records the model settings; a sweep redoes the run, saying what changed, and fine-tuning names what differs
+    # from the settings the checkpoint was pretrained with (it fine-tunes with config.json's, as asked).
+    from nystromformer.config import load_config
+    cp = fixture_model_dir / "model" / "cp-0000.model"
+    trained = load_config(fixture_model_dir).to_dict()
+    atomic.torch_save(cp, {**torch.load(cp, weights_only=True), "config": trained})
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                max_train_examples=4, max_eval_examples=4, submission=False)
+    said = []
+    first = finetune(fixture_model_dir, settings, log=said.append)
+    assert first["model_settings"]["num_landmarks"] == 8 and not any("pretrained with" in m for m in said), said
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
+    config = json.loads((fixture_model_dir / "config.json").read_text())
+    config["model"].update(num_landmarks=16, dropout_prob=0.1)
+    (fixture_model_dir / "config.json").write_text(json.dumps(config))
+    said = []
+    outcome = run_sweep(fixture_model_dir, [settings], log=said.append)
+    assert outcome["ran"] == [settings.run_name], said
+    assert any(m.startswith("warning: replacing ") and "model.dropout_prob 0.0 -> 0.1" in m
+               and "model.num_landmarks 8 -> 16" in m for m in said), said
+    assert any("model settings other than those cp-0000.model was pretrained with (dropout_prob 0.0 -> 0.1, "
+               "num_landmarks 8 -> 16); fine-tuning with config.json's" in m for m in said), said
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
 
 
 def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():

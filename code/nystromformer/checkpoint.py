@@ -180,10 +180,13 @@ def _check_same_activation(obj: dict, model: torch.nn.Module, path) -> None:
 
 
 def load_pretrained_weights(model: torch.nn.Module, path: Union[str, Path], max_seq_len: int,
-                            log=say) -> Tuple[List[str], List[str]]:
+                            log=say, check_config=None) -> Tuple[List[str], List[str]]:
     """Initialise ``model`` from a .model or .cp file, tiling position embeddings when longer.
-    Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing."""
+    Returns (missing, unexpected) keys, which are reported: a fine-tuning head is expected to be missing.
+    ``check_config``, if given, is called with the config the checkpoint recorded (None if none) first."""
     obj = load(path)
+    if check_config is not None:
+        check_config(obj.get("config"))
     state = obj["model_state_dict"]
     _check_same_activation(obj, model, path)
     own = model.state_dict()

@@ -40,6 +40,7 @@ from ..cli import say
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification, fixed_weights, set_batch_groups
+from ..resume import RESUME_MAY_CHANGE, config_differences
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
 from ..tokenizer import check_tokenizer_fits, load_model_tokenizer
 from .encoding import EncodedDataset, PadCollator
@@ -176,10 +177,16 @@ def batch_coupled(model_config) -> bool:
     return model_config.attn_type == "nystrom" and model_config.inv_coeff_init_option == "original"
 
 
+def model_settings(model_config) -> dict:
+    """config.json's model settings that a fine-tuning run's scores depend on (all but the memory and precision
+    switches resuming may change), recorded in result.json: a run made under other ones is not this run."""
+    return {k: v for k, v in dataclasses.asdict(model_config).items() if k not in RESUME_MAY_CHANGE["model"]}
+
+
 def method_of(model_config) -> dict:
-    """How this model's runs must have padded and evaluated their batches for their scores to count: the
-    evaluation only where the batch matters (``batch_coupled``)."""
-    method = {"padding": padding_of(model_config)}
+    """How this model's runs must have padded and evaluated their batches, and under which model settings, for
+    their scores to count: the evaluation only where the batch matters (``batch_coupled``)."""
+    method = {"padding": padding_of(model_config), "model_settings": model_settings(model_config)}
     if batch_coupled(model_config):
         method["evaluation"] = EACH_EXAMPLE_ALONE
     return method
@@ -190,15 +197,25 @@ def recorded_padding(result: dict) -> str:
 
 
 def recorded_method(result: dict) -> dict:
-    """How a stored run padded and evaluated (runs without the records: to the longest example, with its batch)."""
-    return {"padding": recorded_padding(result), "evaluation": result.get("evaluation", WITH_ITS_BATCH)}
+    """How a stored run padded and evaluated (runs without the records: to the longest example, with its batch),
+    and its model settings (None for runs before 2026-11-25, which did not record them: taken as these)."""
+    return {"padding": recorded_padding(result), "evaluation": result.get("evaluation", WITH_ITS_BATCH),
+            "model_settings": result.get("model_settings")}
 
 
 def method_differences(method: Optional[dict], result: dict) -> List[str]:
-    """``"batches padded old -> new"`` / ``"examples evaluated old -> new"`` where ``result`` was made otherwise."""
-    recorded = recorded_method(result)
+    """``"batches padded old -> new"`` / ``"examples evaluated old -> new"`` / ``"model.KEY old -> new"`` where
+    ``result`` was made otherwise."""
+    recorded, out = recorded_method(result), []
     words = {"padding": "batches padded", "evaluation": "examples evaluated"}
-    return [f"{words[k]} {recorded[k]} -> {v}" for k, v in (method or {}).items() if recorded[k] != v]
+    for k, v in (method or {}).items():
+        if k == "model_settings":
+            old = recorded[k] or {}
+            out += [f"model.{key} {json.dumps(old[key])} -> {json.dumps(value)}" for key, value in v.items()
+                    if key in old and old[key] != value]
+        elif recorded[k] != v:
+            out.append(f"{words[k]} {recorded[k]} -> {v}")
+    return out
 
 
 def read_result(checkpoint_dir: Path, settings: FinetuneSettings, method: Optional[dict] = None) -> Optional[dict]:
@@ -388,6 +405,16 @@ def load_task_data(cfg, task: Task, settings: FinetuneSettings, tokenizer, max_s
     return TaskData(train_examples, dev_examples, train_loader, dev_loaders, dev_labels, skipped_rows)
 
 
+def _announce_other_model_settings(cfg, pretrained: Path, log, trained: Optional[dict]) -> None:
+    """A warning naming config.json's model settings that differ from those ``pretrained`` recorded: fine-tuning
+    uses config.json's (e.g. other landmarks or dropout, on purpose or by an edit since pretraining)."""
+    changed = config_differences(trained, cfg, {"model": None})
+    if changed:
+        log(f"warning: {cfg.config_file}: model settings other than those {pretrained.name} was pretrained with ("
+            + ", ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}" for _, key, old, new in changed)
+            + "); fine-tuning with config.json's")
+
+
 def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = say) -> dict:
     """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
 
@@ -411,7 +438,8 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     # Model: the pretrained encoder plus a fresh head. Longer inputs than pretraining tile the positions.
     model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(max_seq_len, cfg.model.max_seq_len))
     model = NystromformerForSequenceClassification(model_cfg, task.num_labels)
-    load_pretrained_weights(model, pretrained, model_cfg.max_seq_len, log=log)
+    load_pretrained_weights(model, pretrained, model_cfg.max_seq_len, log=log,
+                            check_config=functools.partial(_announce_other_model_settings, cfg, pretrained, log))
     runner = Runner(model, device, cfg.model.mixed_precision)
     submit = functools.partial(_submit, runner, model, task, cfg.glue_dir, tokenizer, max_seq_len,
                                cfg.model.num_sen_type > 1, settings, out_dir, log=log)
@@ -467,7 +495,7 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
               "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
               "history": history, "log": str(log_file), "best_weights": str(best_path),
               "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows, "padding": padding,
-              "evaluation": EACH_EXAMPLE_ALONE,
+              "evaluation": EACH_EXAMPLE_ALONE, "model_settings": model_settings(cfg.model),
               "submission": [], "submission_errors": [], "submission_missing": []}
     if math.isnan(best["score"]):
         # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
