@@ -1102,6 +1102,29 @@ def test_a_run_made_under_other_model_settings_is_redone_and_settings_other_than
     assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
 
 
+def test_a_second_fine_tuning_run_of_the_same_name_is_refused_while_the_first_runs(fixture_model_dir):
+    # Two `glue` commands with one run name would write one folder (last writer wins, result and weights of
+    # different runs); the first holds the run folder's lock, as `pretrain` does its model folder's.
+    import fcntl
+    import os
+    from nystromformer.errors import UserError
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                max_train_examples=4, max_eval_examples=4, submission=False)
+    out = run_dir(fixture_model_dir / "model", settings)
+    out.mkdir(parents=True)
+    fd = os.open(out / "run.lock", os.O_RDWR | os.O_CREAT)   # the other run, still going
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"gpu-node-7 pid 4242\n")
+        with pytest.raises(UserError, match=r"another fine-tuning run with these settings is in progress "
+                                            r"\(gpu-node-7 pid 4242 holds .*/run.lock\); wait for it"):
+            finetune(fixture_model_dir, settings, log=quiet)
+        assert not (out / "result.json").exists()
+    finally:
+        os.close(fd)   # it ends: the next run goes ahead
+    assert finetune(fixture_model_dir, settings, log=quiet)["best_epoch"] == 1
+
+
 def test_each_sweep_setting_gets_its_own_summary_folder_but_test_predictions_do_not_matter():
     base = FinetuneSettings(task="RTE", checkpoint=3)
     folder = summary_dir(Path("m"), base)

@@ -4,12 +4,16 @@ A reader (or a resumed run) sees either the old file or the complete new one, ne
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import socket
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -132,3 +136,30 @@ def save_npy(path: PathLike, array: np.ndarray) -> None:
 def torch_save(path: PathLike, obj) -> None:
     with atomic_open(path, "wb") as f:
         torch.save(obj, f)
+
+
+# flock's errors on file systems that have none (Lustre without -o flock, some FUSE mounts)
+NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+@contextmanager
+def exclusive_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created, with "HOST pid PID" written in it) while the block runs;
+    another process holding it raises ``busy(its holder)`` at once. The lock goes with the process, so a killed
+    one leaves none behind; on a file system without flock, a warning and no lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy(os.read(fd, 200).decode(errors="replace").strip() or "another process") from None
+        except OSError as e:
+            if e.errno not in NO_FLOCK_ERRNOS:
+                raise
+            print(f"warning: {path}: this file system does not support locks ({e.strerror}); going on without one",
+                  file=sys.stderr, flush=True)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import fcntl
 import gc
 import math
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from . import checkpoint, jsonlog
+from . import atomic, checkpoint, jsonlog
 from .cli import add_subcommand, say, script_main
 from .config import Config, ConfigError, load_config
 from .errors import UserError
@@ -112,7 +111,7 @@ class QueuedStep:
 
 
 LOCK_TAKEN, LOCK_BUSY, LOCK_FAILED = 1, 0, -1
-NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
+NO_FLOCK_ERRNOS = atomic.NO_FLOCK_ERRNOS
 
 
 @contextlib.contextmanager

@@ -415,11 +415,16 @@ def _announce_other_model_settings(cfg, pretrained: Path, log, trained: Optional
             + "); fine-tuning with config.json's")
 
 
+RUN_LOCK = "run.lock"
+
+
 def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = say) -> dict:
     """Fine-tune ``cp-<settings.checkpoint>.model`` of ``model_dir`` on ``settings.task``.
 
     Returns the result dict also written to result.json: best_epoch, best_score, best_metrics (dev),
     history (one entry per epoch), and the paths of the log, the best weights and the submission files.
+    One run of a name at a time: once its checks pass, a run holds its folder's lock, and a second is refused
+    until it ends (two would write one folder: the result of one beside the weights of the other).
     """
     check_environment()  # fail before the slow parts
     device = resolve_device(settings.device)
@@ -444,67 +449,79 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     submit = functools.partial(_submit, runner, model, task, cfg.glue_dir, tokenizer, max_seq_len,
                                cfg.model.num_sen_type > 1, settings, out_dir, log=log)
 
-    best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
-    padding, method = padding_of(cfg.model), method_of(cfg.model)
-    previous = read_result(checkpoint_dir, settings, method)
-    if previous is not None and submission_to_redo(previous, cfg.glue_dir, settings.submission) and best_path.is_file():
-        why = ("failed" if previous.get("submission_errors") else
-               "was not made (--no-submission)" if not previous["settings"].get("submission", True) else
-               "lacks a file whose test file is there now")
-        log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
-        return submit(previous)
-    if previous is not None and not previous.get("diverged") and best_path.is_file():
-        # as pretraining: rerunning a finished run does nothing (--no-submission keeps the files it has)
-        log(f"{out_dir}: finished earlier with these settings (best dev score {previous['best_score']:.4f} at epoch "
-            f"{previous['best_epoch']}); nothing to do. To train it again, delete that folder")
-        return previous
-    stored = _stored_result(checkpoint_dir, settings)
-    if stored is not None and previous is None:
-        differences = settings_differences(settings, stored.get("settings", {})) + method_differences(method, stored)
-        log(f"warning: replacing {out_dir}, a run made with other settings ({', '.join(differences)})")
-    # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
-    # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model; so must its
-    # test predictions and epoch log, which would otherwise sit beside weights they were not made from.
-    if (out_dir / "result.json").exists():
-        (out_dir / "result.json").unlink()
-        atomic.fsync_dir(out_dir)
-    if (out_dir / "submission").is_dir():
-        shutil.rmtree(out_dir / "submission")
-    log_file.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
-    total_steps = settings.epochs * len(data.train_loader)
-    optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
-    scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
-    if list(data.dev_examples) == ["dev"]:
-        dev_counts = _count(len(data.dev_examples["dev"]), "dev example")
-    else:
-        dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in data.dev_examples.items()) + " examples"
-    attention = ""
-    if model_cfg.attn_type == "nystrom":  # which formulation and kernels produced the scores
-        from ..attention.nystrom_fast import describe_switches
-        attention = "; " + describe_switches(device)
-    log(f"fine-tuning {pretrained} on {task.name}: {_count(len(data.train_examples), 'train example')}, "
-        f"{dev_counts}, {_count(total_steps, 'step')} on {device}{attention}")
-    baseline = majority_baseline(task, data.train_examples, data.dev_labels)
-    if baseline is not None:
-        log(f"{task.name}: always predicting the training set's commonest label scores {baseline:.4f} on dev")
+    def busy(holder: str) -> UserError:
+        return UserError(f"{out_dir}: another fine-tuning run with these settings is in progress ({holder} holds "
+                         f"{out_dir / RUN_LOCK}); wait for it to finish or stop it")
 
-    history, best = train_and_evaluate(runner, task, data, optimizer, scheduler, settings, model_cfg, best_path,
-                                       log_file, log)
-    result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
-              "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
-              "history": history, "log": str(log_file), "best_weights": str(best_path),
-              "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows, "padding": padding,
-              "evaluation": EACH_EXAMPLE_ALONE, "model_settings": model_settings(cfg.model),
-              "submission": [], "submission_errors": [], "submission_missing": []}
-    if math.isnan(best["score"]):
-        # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
-        atomic.write_json(out_dir / "result.json", {**result, "diverged": True})
-        raise FineTuningDiverged(f"{task.name}: no epoch has a finite dev score: the model's outputs are NaN or "
-                                 f"infinite (a diverged pretraining checkpoint, or too high a learning rate: "
-                                 f"{settings.lr:g}); no submission written; results in {out_dir}")
-    log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
-    return submit(result)
+    def locked() -> dict:  # what reads and writes the run folder, under its lock
+        best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
+        padding, method = padding_of(cfg.model), method_of(cfg.model)
+        previous = read_result(checkpoint_dir, settings, method)
+        if (previous is not None and submission_to_redo(previous, cfg.glue_dir, settings.submission)
+                and best_path.is_file()):
+            why = ("failed" if previous.get("submission_errors") else
+                   "was not made (--no-submission)" if not previous["settings"].get("submission", True) else
+                   "lacks a file whose test file is there now")
+            log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
+            return submit(previous)
+        if previous is not None and not previous.get("diverged") and best_path.is_file():
+            # as pretraining: rerunning a finished run does nothing (--no-submission keeps the files it has)
+            log(f"{out_dir}: finished earlier with these settings (best dev score {previous['best_score']:.4f} at "
+                f"epoch {previous['best_epoch']}); nothing to do. To train it again, delete that folder")
+            return previous
+        stored = _stored_result(checkpoint_dir, settings)
+        if stored is not None and previous is None:
+            differences = (settings_differences(settings, stored.get("settings", {}))
+                           + method_differences(method, stored))
+            log(f"warning: replacing {out_dir}, a run made with other settings ({', '.join(differences)})")
+        # A run is redone from here on: its old result must go before the first new weights do, or an interrupted
+        # rerun would leave the old scores (a finished run to glue-sweep) beside the new run's best.model; so must its
+        # test predictions and epoch log, which would otherwise sit beside weights they were not made from.
+        if (out_dir / "result.json").exists():
+            (out_dir / "result.json").unlink()
+            atomic.fsync_dir(out_dir)
+        if (out_dir / "submission").is_dir():
+            shutil.rmtree(out_dir / "submission")
+        log_file.unlink(missing_ok=True)
+
+        total_steps = settings.epochs * len(data.train_loader)
+        optimizer = build_optimizer(model, settings.lr, settings.weight_decay)
+        scheduler = linear_warmup_decay(optimizer, total_steps, math.floor(settings.warmup * total_steps))
+        if list(data.dev_examples) == ["dev"]:
+            dev_counts = _count(len(data.dev_examples["dev"]), "dev example")
+        else:
+            dev_counts = " and ".join(f"{len(ex)} {s}" for s, ex in data.dev_examples.items()) + " examples"
+        attention = ""
+        if model_cfg.attn_type == "nystrom":  # which formulation and kernels produced the scores
+            from ..attention.nystrom_fast import describe_switches
+            attention = "; " + describe_switches(device)
+        log(f"fine-tuning {pretrained} on {task.name}: {_count(len(data.train_examples), 'train example')}, "
+            f"{dev_counts}, {_count(total_steps, 'step')} on {device}{attention}")
+        baseline = majority_baseline(task, data.train_examples, data.dev_labels)
+        if baseline is not None:
+            log(f"{task.name}: always predicting the training set's commonest label scores {baseline:.4f} on dev")
+
+        history, best = train_and_evaluate(runner, task, data, optimizer, scheduler, settings, model_cfg, best_path,
+                                           log_file, log)
+        result = {"settings": dataclasses.asdict(settings), "pretrained": str(pretrained), "task": task.name,
+                  "best_epoch": best["epoch"], "best_score": best["score"], "best_metrics": best["dev"],
+                  "history": history, "log": str(log_file), "best_weights": str(best_path),
+                  "majority_baseline_score": baseline, "malformed_rows_skipped": data.skipped_rows, "padding": padding,
+                  "evaluation": EACH_EXAMPLE_ALONE, "model_settings": model_settings(cfg.model),
+                  "submission": [], "submission_errors": [], "submission_missing": []}
+        if math.isnan(best["score"]):
+            # Finished (a rerun would diverge again: a sweep skips it, its summary ranks it last), without submission.
+            atomic.write_json(out_dir / "result.json", {**result, "diverged": True})
+            raise FineTuningDiverged(f"{task.name}: no epoch has a finite dev score: the model's outputs are NaN or "
+                                     f"infinite (a diverged pretraining checkpoint, or too high a learning rate: "
+                                     f"{settings.lr:g}); no submission written; results in {out_dir}")
+        log(f"{task.name}: best dev score {best['score']:.4f} at epoch {best['epoch']}; results in {out_dir}")
+        return submit(result)
+
+    with atomic.exclusive_lock(out_dir / RUN_LOCK, busy):
+        return locked()
 
 
 def train_and_evaluate(runner: Runner, task: Task, data: TaskData, optimizer, scheduler,
