@@ -280,6 +280,24 @@ def test_preprocess_refuses_to_replace_a_folder_holding_other_files(tmp_path, ca
     assert [p.name for p in (tmp_path / "stories").iterdir()] == ["notes.txt"]
 
 
+def test_preprocess_and_plot_into_a_folder_they_cannot_write_name_that_folder_not_a_temporary_file(
+        tmp_path, capsys, monkeypatch):
+    # Both write through hidden temporary files beside the output; the error names what the user gave.
+    from nystromformer import atomic
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    access = os.access  # the root user passes permission checks: the file system's answer is stood in for here
+    monkeypatch.setattr(atomic.os, "access", lambda p, mode: False if Path(p) == folder else access(p, mode))
+    code = run_command(["preprocess", "stories", "--input", FIXTURES / "stories", "--output", folder / "parts"])
+    assert code == 2
+    assert_one_error_line(capsys, f"--output cannot be written to {folder / 'parts'}: {folder} is not writable")
+    from nystromformer.cli import main
+    code = main(["plot", "--model-dir", str(tmp_path), "--output", str(folder / "curves.png")])
+    assert code == 2
+    assert_one_error_line(capsys, f"--output cannot be written to {folder}: {folder} is not writable")
+    assert list(folder.iterdir()) == []
+
+
 def write_books(folder):
     folder.mkdir()
     (folder / "book-a.txt").write_text("Chapter 1\n\nIt was a dark night.\nThe rain fell.\n\nShe waited.\n")

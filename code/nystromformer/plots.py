@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from . import atomic, jsonlog
-from .atomic import check_output_folder
+from .atomic import check_output_folder, check_writable_folder
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
@@ -77,6 +77,7 @@ def check_output(output: Path) -> None:
         raise UserError(f"--output {output}: give an image file name ending in one of {', '.join(formats)}")
     if not output.is_file():  # (an existing image is replaced) its folders can be made
         check_output_folder(output, "--output")
+    check_writable_folder(output.parent, "--output")  # else the write names its hidden temporary file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..atomic import check_output_folder
+from ..atomic import check_output_folder, check_writable_folder
 from ..cli import add_subcommand
 from ..errors import UserError
 from .readers import INPUT_PATTERNS, MIN_WORDS, READERS, SENTENCES_PER_DOCUMENT, SkipLog, expand_inputs
@@ -34,6 +34,7 @@ def cmd_extract_wiki(args) -> int:
 def cmd_preprocess(args) -> int:
     from .partitions import InputError, PartitionError, write_partitions
     check_output_folder(args.output, inputs=args.input)
+    check_writable_folder(args.output, "--output")  # else the first write names its hidden temporary file
     _logging()
     options = {}
     if args.dataset == "bookcorpus" and args.document_per_file:
