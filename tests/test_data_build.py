@@ -224,7 +224,7 @@ def test_a_folder_built_with_runs_of_its_own_sequences_resumes_only_where_that_i
     if same_split:
         build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
     else:
-        with pytest.raises(BuildError, match=r"other settings \(dev_run_unit differ\)"):
+        with pytest.raises(BuildError, match=r"other settings \(dev_run_unit: \d+ there, 510 now\)"):
             build(partitions, trained_tokenizer, tmp_path, seq_len=seq_len, dev_run=2)
 
 
@@ -235,7 +235,7 @@ def test_a_folder_built_when_special_token_text_became_special_ids_is_not_resume
     meta = json.loads((tmp_path / "meta.json").read_text())
     del meta["special_token_text"]           # as such a build wrote it
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(BuildError, match=r"other settings \(special_token_text differ\)"):
+    with pytest.raises(BuildError, match=r"other settings \(special_token_text: \"as the special id\" there, \"as text\" now\)"):
         build(partitions, trained_tokenizer, tmp_path, seq_len=16)
 
 
@@ -266,16 +266,17 @@ def test_a_ratio_that_is_not_a_number_is_named_as_such_and_a_colon_in_a_folder_n
     assert parse_dataset(str(tmp_path / "wiki:v2")).folder == tmp_path / "wiki:v2"
 
 
-@pytest.mark.parametrize("changed, key", [
-    ({"seq_len": 32}, "max_seq_len"), ({"seed": 1}, "seed"), ({"dev_fraction": 0.2}, "dev_fraction"),
-    ({"shard_size": 9}, "shard_size"), ({"dev_run": 2}, "dev_run"),
+@pytest.mark.parametrize("changed, key, before, after", [
+    ({"seq_len": 32}, "max_seq_len", 16, 32), ({"seed": 1}, "seed", 0, 1), ({"dev_fraction": 0.2}, "dev_fraction",
+                                                                            0.1, 0.2),
+    ({"shard_size": 9}, "shard_size", 8, 9), ({"dev_run": 2}, "dev_run", 1, 2),
 ])
 def test_resuming_a_build_with_other_settings_is_refused_naming_the_setting(partitions, trained_tokenizer, tmp_path,
-                                                                            changed, key):
+                                                                            changed, key, before, after):
     # Another seed or fraction would mix two different splits in one folder: dev rows could also be in train.
     settings = dict(seq_len=16, seed=0, dev_fraction=0.1, shard_size=8, dev_run=1)
     build(partitions, trained_tokenizer, tmp_path, datasets=("wiki",), **settings)
-    with pytest.raises(BuildError, match=rf"other settings \({key} differ\)"):
+    with pytest.raises(BuildError, match=rf"other settings \({key}: {before} there, {after} now\)"):
         build(partitions, trained_tokenizer, tmp_path, datasets=("wiki",), **{**settings, **changed})
 
 
@@ -392,8 +393,8 @@ def test_a_resume_after_the_tokenizer_folders_files_changed_is_refused(partition
     merges = (tokenizer / "merges.txt").read_text().splitlines()
     (tokenizer / "merges.txt").write_text("\n".join(merges[:1] + merges[2:3] + merges[1:2] + merges[3:]) + "\n")
     before = file_states(out)
-    with pytest.raises(BuildError, match=rf"built with other settings \(the files of tokenizer {tokenizer}, "
-                                         rf"changed since its shards were encoded, differ\); build into a new"):
+    with pytest.raises(BuildError, match=rf"built with other settings \(the files of tokenizer {tokenizer} "
+                                         rf"changed since its shards were encoded\); build into a new"):
         build(partitions, tokenizer, out, datasets=("stories",))
     assert file_states(out) == before
     # a folder built before the digest was recorded resumes as before (its tokenizer path is all it has)

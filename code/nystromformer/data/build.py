@@ -388,15 +388,16 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
         # Built before corpus text spelling a special token was encoded as text (DocumentEncoder): as the id.
         old.setdefault("special_token_text", "as the special id")
         identity = ("tokenizer", "tokenizer_files_sha256")
-        changed = sorted(k for k in set(old) | set(new) if k not in identity and old.get(k) != new.get(k))
+        changed = [f"{k}: {json.dumps(old.get(k))} there, {json.dumps(new.get(k))} now"
+                   for k in sorted(set(old) | set(new)) if k not in identity and old.get(k) != new.get(k)]
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
             changed.append(f"tokenizer: {old.get('tokenizer')} there, {meta['tokenizer']} now")
         elif "tokenizer_files_sha256" in old and old["tokenizer_files_sha256"] != new.get("tokenizer_files_sha256"):
             # the same folder, other files (e.g. train-tokenizer --overwrite): its shards hold the old ids
-            changed.append(f"the files of tokenizer {meta['tokenizer']}, changed since its shards were encoded,")
+            changed.append(f"the files of tokenizer {meta['tokenizer']} changed since its shards were encoded")
         if changed:
-            raise BuildError(f"{existing}: this folder was built with other settings ({', '.join(changed)} differ);"
-                             f" build into a new folder or delete it")
+            raise BuildError(f"{existing}: this folder was built with other settings ({'; '.join(changed)}); "
+                             f"build into a new folder or delete it")
     (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
     if not existing.is_file():
         write_meta(output, meta)
