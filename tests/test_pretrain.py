@@ -1330,3 +1330,15 @@ def test_a_checkpoint_the_machine_cannot_read_is_not_called_damaged(tmp_path, mo
     monkeypatch.setattr(torch, "load", refused)
     with pytest.raises(PermissionError):  # cli.run_command reports it as "permission denied", naming the file
         checkpoint.load(path)
+
+
+def test_the_progress_bar_shows_each_reported_loss_beside_the_count_that_includes_its_step(tmp_path, data, capsys):
+    # "3/6 … loss=X" must mean X is step 3's loss (as the log has it), not the step after the one counted.
+    import re
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 6, "epoch": 1, "batches_per_report": 1,
+                                                      "validate_batches_per_epoch": 0})
+    assert pretrain(load_config(folder), show_progress=True) == 0
+    shown = [(int(n), float(x)) for n, x in re.findall(r"(\d+)/6 [^\r\n]*?loss=([\d.]+)", capsys.readouterr().err)]
+    logged = {step: round(loss, 4) for step, loss in losses(folder)}
+    assert shown and shown[-1][0] == 6, shown
+    assert all(logged[n] == x for n, x in shown), (shown, logged)

@@ -432,7 +432,8 @@ class PretrainRun:
                            time=seconds, inst_pass=done * ps.batch_size,
                            tokens_per_s=ps.batch_size * self.train_data.seq_len / seconds)
             if done % ps.batches_per_report == 0:
-                bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{queued.lr:.2e}")
+                # shown by the update below, beside the count that includes this step (not the one before it)
+                bar.set_postfix(loss=f"{loss_value:.4f}", accu=f"{accu:.3f}", lr=f"{queued.lr:.2e}", refresh=False)
         bar.update(1)
         return signum
 

@@ -573,7 +573,7 @@ def train_one_epoch(runner: Runner, batches: tqdm, optimizer, scheduler) -> floa
         scheduler.step()
         loss_sum += loss.item()
         count += 1
-        batches.set_postfix(loss=f"{loss_sum / count:.4f}")
+        batches.set_postfix(loss=f"{loss_sum / count:.4f}", refresh=False)  # shown with the count that includes it
     return loss_sum / max(count, 1)
 
 
