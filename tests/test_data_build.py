@@ -235,7 +235,8 @@ def test_a_folder_built_when_special_token_text_became_special_ids_is_not_resume
     meta = json.loads((tmp_path / "meta.json").read_text())
     del meta["special_token_text"]           # as such a build wrote it
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(BuildError, match=r"other settings \(special_token_text: \"as the special id\" there, \"as text\" now\)"):
+    with pytest.raises(BuildError, match=r"other settings \(special_token_text: \"as the special id\" there, "
+                                         r"\"as text\" now\)"):
         build(partitions, trained_tokenizer, tmp_path, seq_len=16)
 
 
@@ -350,6 +351,15 @@ def test_a_tokenizer_name_with_no_files_anywhere_is_an_error_not_an_empty_tokeni
     with pytest.raises(TokenizerError, match=rf"tokenizer '{name}' is neither a folder nor in the local Hugging "
                                              rf"Face cache"):
         load_tokenizer(name)
+
+
+def test_a_tokenizer_path_that_is_not_a_folder_is_named_as_such_not_looked_up_on_the_hub(tmp_path):
+    (tmp_path / "vocab.json").write_text("{}")
+    for given, says in ((tmp_path / "missing", "no such folder"), ("./missing-tok", "no such folder"),
+                        (tmp_path / "vocab.json", "not a folder")):
+        with pytest.raises(TokenizerError) as err:
+            load_tokenizer(given)
+        assert str(err.value) == f"tokenizer '{given}': {says}"
 
 
 def test_a_failed_build_writes_nothing_so_the_corrected_command_runs(partitions, trained_tokenizer, tmp_path):

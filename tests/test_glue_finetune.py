@@ -1041,7 +1041,8 @@ def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_swit
     assert main(["glue-sweep", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("NYSTROM_TRITON: expected one of 0, 1, all, got 'bogus'") == 1 and "FAILED" not in err
-    assert not (fixture_model_dir / "model" / "glue").exists() or not any((fixture_model_dir / "model" / "glue").iterdir())
+    runs = fixture_model_dir / "model" / "glue"
+    assert not runs.exists() or not any(runs.iterdir())
 
 
 def test_a_tokenizer_whose_files_changed_since_the_pretraining_data_was_built_is_refused(shared_dir, tmp_path):
@@ -1320,8 +1321,8 @@ def test_a_tokenizer_that_cannot_be_found_is_an_error_naming_the_config_key(fixt
     config_file.write_text(json.dumps({**config, "tokenizer": "no-such-tokenizer"}))
     assert run_glue_main(["--model-dir", str(fixture_model_dir), "--task", "MRPC", "--checkpoint", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {config_file}: tokenizer: tokenizer '{fixture_model_dir / 'no-such-tokenizer'}' "
-                          f"is neither a folder nor in the local Hugging Face cache"), err
+    named = fixture_model_dir / "no-such-tokenizer"
+    assert err == f"error: {config_file}: tokenizer: tokenizer '{named}': no such folder\n", err
 
 
 def test_an_in_process_sweep_reports_a_users_mistake_in_one_line_and_a_bug_with_its_traceback(

@@ -36,6 +36,9 @@ def load_tokenizer(name_or_path: Union[str, Path]):
         raise TokenizerError(f"{path}: no tokenizer files (expected vocab.json + merges.txt, or tokenizer.json)")
     help = ("Offline machines: put the tokenizer files (vocab.json, merges.txt) in a folder and pass its path, or "
             "train one with `nystromformer train-tokenizer`.")
+    text = str(name_or_path)
+    if path.is_absolute() or text.startswith(("./", "../", "~")) or path.exists():  # a path, not a hub name
+        raise TokenizerError(f"tokenizer {text!r}: " + ("not a folder" if path.exists() else "no such folder"))
     try:
         tokenizer = RobertaTokenizerFast.from_pretrained(str(name_or_path), local_files_only=True)
     except Exception as e:
