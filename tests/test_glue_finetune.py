@@ -1341,3 +1341,21 @@ def test_an_in_process_sweep_reports_a_users_mistake_in_one_line_and_a_bug_with_
     failed = [m for m in messages if m.startswith("FAILED")]
     assert failed[0] == f"FAILED {runs[0].run_name}: RTE: no train.tsv in glue/RTE"
     assert failed[1].startswith(f"FAILED {runs[1].run_name}: AttributeError") and "Traceback" in failed[1]
+
+
+def test_the_sweep_plot_marks_whole_epochs_even_for_a_one_epoch_sweep(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import nystromformer.glue.sweep as sweep
+    made, subplots = [], plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: made.append(subplots(*a, **k)) or made[-1])
+    one = FinetuneSettings(task="RTE", checkpoint=0, lr=1e-4, batch_size=32, epochs=1)
+    three = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-4, batch_size=32, epochs=3)
+    sweep._plot_dev_scores([(one, {"history": [{"epoch": 1, "score": 0.5}]}),
+                            (three, {"history": [{"epoch": e, "score": 0.6} for e in (1, 2, 3)]})],
+                           tmp_path / "dev_scores.png")
+    mrpc, rte = made[0][1][0]   # in GLUE's task order
+    assert list(rte.get_xticks()) == [1] and list(mrpc.get_xticks()) == [1, 2, 3]
+    assert (tmp_path / "dev_scores.png").stat().st_size > 0

@@ -436,6 +436,8 @@ def _plot_dev_scores(results, path: Path) -> str:
                 epochs = [h["epoch"] for h in r["history"]]
                 ax.plot(epochs, [h["score"] for h in r["history"]], marker="o", label=f"lr {s.lr:g}, bs {s.batch_size}")
         ax.set(title=task, xlabel="epoch", ylabel="dev score")
+        # the epochs themselves as ticks (whole numbers: a 1-epoch sweep got 0.96 ... 1.04)
+        ax.set_xticks(sorted({h["epoch"] for s, r in results if s.task == task for h in r["history"]}))
         ax.legend(fontsize="small")
     fig.tight_layout()
     with atomic.atomic_open(path, "wb") as f:
