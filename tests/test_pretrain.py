@@ -1045,6 +1045,7 @@ def test_data_that_does_not_fit_the_model_is_refused_naming_the_key(tmp_path, da
     folder = model_dir(tmp_path, model=model)
     with pytest.raises(ConfigError, match=rf"run/config.json: {named}"):
         run(folder)
+    assert not (folder / "model").exists()   # refused before the run's folder (and its lock) is made
 
 
 def test_resuming_on_data_with_other_special_tokens_is_refused(tmp_path, data):

@@ -203,6 +203,7 @@ def pretrain(cfg: Config, device: Optional[str] = None, stop_at_step: Optional[i
     if ps.batch_size % rt.world_size:
         raise ConfigError(f"{cfg.config_file}: pretraining_setting.batch_size: {ps.batch_size} is not divisible by "
                           f"the {rt.world_size} processes")
+    _load_data(cfg)  # its refusals before the lock makes the checkpoint folder: none left behind, empty but for it
     with folder_lock(cfg.checkpoint_dir, rt, cfg.config_file), PreemptionFlag() as preemption:
         run = PretrainRun(cfg, rt, preemption, show_progress)
         stopped = run.restore(stop_at_step)
