@@ -249,7 +249,8 @@ def test_parallel_sweep_runs_each_configuration_in_its_own_subprocess(fixture_mo
     assert outcome["failed"] == [] and sorted(outcome["ran"]) == ["QNLI-0-0.001-2-1", "QNLI-0-0.002-2-1"]
     for settings in runs:
         out = run_dir(fixture_model_dir / "model", settings)
-        assert (out / "result.json").is_file() and (out / "console.txt").is_file()
+        assert (out / "result.json").is_file()
+        assert (out / "console.txt").read_text().startswith("--- ")   # each attempt appended under a line
         assert len(read_submission(out / "submission" / "QNLI.tsv")) == 2
     assert len(outcome["summary"]["rows"]) == 2
 
@@ -337,6 +338,10 @@ def test_rerunning_a_finished_run_does_nothing_and_without_a_submission_keeps_th
         assert result == first
         assert (out / "best.model").stat().st_mtime_ns == trained
         assert (out / "submission" / "MRPC.tsv").stat().st_mtime_ns == predicted
+    (out / "best.model").unlink()   # weights deleted to save disk once the scores and predictions are in
+    said = []
+    assert finetune(fixture_model_dir, settings, log=said.append) == first and "nothing to do" in said[-1], said
+    assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
 
 
 def test_the_start_message_counts_examples_and_steps_in_plain_words(fixture_model_dir):
@@ -505,6 +510,11 @@ def test_a_diverged_run_is_an_error_recorded_as_finished_without_a_submission_of
     assert rerun["skipped"] == [settings.run_name]  # rerun: same end
     assert "* missing MRPC.tsv (MRPC's best run MRPC-0-0.001-2-2: diverged, no submission)" in \
         Path(rerun["summary"]["markdown"]).read_text()
+    recorded = (out / "result.json").stat().st_mtime_ns
+    with pytest.raises(FineTuningDiverged, match=r"finished earlier with these settings, and diverged .*nothing to "
+                                                 r"do"):
+        finetune(fixture_model_dir, settings, log=quiet)   # `glue` again: the same end, not another run
+    assert (out / "result.json").stat().st_mtime_ns == recorded
 
 
 def test_the_collected_submission_does_not_depend_on_the_directory_a_sweep_is_run_from(fixture_model_dir,
@@ -1026,6 +1036,11 @@ def test_a_sweep_given_one_device_runs_every_run_on_it_and_by_default_one_gpu_ru
     assert (run_dir(fixture_model_dir / "model", grid(["MRPC"], lrs=[3e-3], batch_sizes=[2], checkpoint=0, epochs=1,
                                                       max_train_examples=8, max_eval_examples=8)[0])
             / "result.json").is_file()
+    # Two GPUs seen through CUDA_VISIBLE_DEVICES=2,3: the runs go to those two, not to the machine's 0 and 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert main(["glue-sweep", "--lrs", "4e-3,5e-3", *flags]) == 1
+    assert sorted(children[2:]) == ["2", "3"]
 
 
 def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_switch_stops_before_its_first_run(
@@ -1091,16 +1106,33 @@ def test_a_run_made_under_other_model_settings_is_redone_and_settings_other_than
     assert first["model_settings"]["num_landmarks"] == 8 and not any("pretrained with" in m for m in said), said
     assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
     config = json.loads((fixture_model_dir / "config.json").read_text())
-    config["model"].update(num_landmarks=16, dropout_prob=0.1)
+    other_lr = dataclasses.replace(settings, lr=2e-3)
+    finetune(fixture_model_dir, other_lr, log=quiet)
+    config["model"].update(num_landmarks=16, dropout_prob=0.1, weight_init="bert")  # a fresh head inits otherwise
     (fixture_model_dir / "config.json").write_text(json.dumps(config))
     said = []
     outcome = run_sweep(fixture_model_dir, [settings], log=said.append)
     assert outcome["ran"] == [settings.run_name], said
     assert any(m.startswith("warning: replacing ") and "model.dropout_prob 0.0 -> 0.1" in m
-               and "model.num_landmarks 8 -> 16" in m for m in said), said
+               and "model.num_landmarks 8 -> 16" in m and 'model.weight_init "paper" -> "bert"' in m
+               for m in said), said
+    # the other learning rate's run, made under the old settings, is left out of the summary, with that reason
+    assert any(other_lr.run_name in m and "config.json's model settings changed since they ran" in m
+               and "padded" not in m for m in said), said
     assert any("model settings other than those cp-0000.model was pretrained with (dropout_prob 0.0 -> 0.1, "
                "num_landmarks 8 -> 16); fine-tuning with config.json's" in m for m in said), said
     assert run_sweep(fixture_model_dir, [settings], log=quiet)["skipped"] == [settings.run_name]
+
+
+def test_a_checkpoint_config_not_as_this_pipeline_writes_it_is_not_compared_and_not_a_traceback(fixture_model_dir):
+    cp = fixture_model_dir / "model" / "cp-0000.model"
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                max_train_examples=4, max_eval_examples=4, submission=False)
+    for n, odd in enumerate(({"model": None}, "v1", None)):
+        atomic.torch_save(cp, {**torch.load(cp, weights_only=True), "config": odd})
+        said = []
+        finetune(fixture_model_dir, dataclasses.replace(settings, seed=n), log=said.append)
+        assert not any("pretrained with" in m for m in said), said
 
 
 def test_a_second_fine_tuning_run_of_the_same_name_is_refused_while_the_first_runs(fixture_model_dir):

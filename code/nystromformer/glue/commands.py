@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import List, Optional
 
 from ..cli import add_subcommand, script_main
@@ -105,7 +106,10 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
     if devices is None:
         import torch
         count = torch.cuda.device_count()
-        devices = [str(i) for i in range(count)] if count > 1 else None
+        # the GPUs this process sees, named as CUDA_VISIBLE_DEVICES names them (its 2,3 are not the machine's 0,1)
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        named = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
+        devices = named if count > 1 else None
     for flag, values in (("--tasks", tasks), ("--lrs", args.lrs), ("--batch-sizes", args.batch_sizes)):
         if not values:
             raise SettingsError(f"{flag}: give at least one value")

@@ -40,7 +40,7 @@ from ..cli import say
 from ..config import MAX_SEQ_LEN, load_config
 from ..errors import UserError
 from ..model import NystromformerForSequenceClassification, fixed_weights, set_batch_groups
-from ..resume import RESUME_MAY_CHANGE, config_differences
+from ..resume import config_differences
 from ..runtime import autocast_dtype, check_environment, linear_warmup_decay, resolve_device
 from ..tokenizer import check_tokenizer_fits, load_model_tokenizer
 from .encoding import EncodedDataset, PadCollator
@@ -177,10 +177,15 @@ def batch_coupled(model_config) -> bool:
     return model_config.attn_type == "nystrom" and model_config.inv_coeff_init_option == "original"
 
 
+# Model settings that trade memory for time and leave every number as it was
+MEMORY_ONLY_MODEL_SETTINGS = {"attention_grad_checkpointing", "gelu_grad_checkpointing"}
+
+
 def model_settings(model_config) -> dict:
-    """config.json's model settings that a fine-tuning run's scores depend on (all but the memory and precision
-    switches resuming may change), recorded in result.json: a run made under other ones is not this run."""
-    return {k: v for k, v in dataclasses.asdict(model_config).items() if k not in RESUME_MAY_CHANGE["model"]}
+    """config.json's model settings that a fine-tuning run's scores depend on — all but the gradient-checkpointing
+    switches (``weight_init`` too: the head is initialised anew each run) —, recorded in result.json: a run made
+    under other ones is not this run."""
+    return {k: v for k, v in dataclasses.asdict(model_config).items() if k not in MEMORY_ONLY_MODEL_SETTINGS}
 
 
 def method_of(model_config) -> dict:
@@ -408,6 +413,8 @@ def load_task_data(cfg, task: Task, settings: FinetuneSettings, tokenizer, max_s
 def _announce_other_model_settings(cfg, pretrained: Path, log, trained: Optional[dict]) -> None:
     """A warning naming config.json's model settings that differ from those ``pretrained`` recorded: fine-tuning
     uses config.json's (e.g. other landmarks or dropout, on purpose or by an edit since pretraining)."""
+    if not (isinstance(trained, dict) and isinstance(trained.get("model"), dict)):
+        return  # nothing recorded (or not as this pipeline writes it): nothing to compare
     changed = config_differences(trained, cfg, {"model": None})
     if changed:
         log(f"warning: {cfg.config_file}: model settings other than those {pretrained.name} was pretrained with ("
@@ -416,6 +423,17 @@ def _announce_other_model_settings(cfg, pretrained: Path, log, trained: Optional
 
 
 RUN_LOCK = "run.lock"
+
+
+def _finished_earlier(previous: dict, out_dir: Path, log) -> dict:
+    """A rerun of a finished run: its stored result, or its divergence again as the error it was."""
+    again = "nothing to do. To train it again, delete that folder"
+    if previous.get("diverged"):
+        raise FineTuningDiverged(f"{out_dir}: finished earlier with these settings, and diverged (no epoch had a "
+                                 f"finite dev score); {again}")
+    log(f"{out_dir}: finished earlier with these settings (best dev score {previous['best_score']:.4f} at epoch "
+        f"{previous['best_epoch']}); {again}")
+    return previous
 
 
 def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Callable[[str], None] = say) -> dict:
@@ -434,6 +452,11 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     checkpoint_dir = cfg.checkpoint_dir
     pretrained = find_model(checkpoint_dir, settings.checkpoint)
     out_dir = run_dir(checkpoint_dir, settings)
+    # As `pretrain` on a finished run, and as glue-sweep decides it (is_finished): nothing to do, before the data
+    # and the model are loaded; --no-submission keeps the files the run has.
+    previous = read_result(checkpoint_dir, settings, method_of(cfg.model))
+    if previous is not None and not submission_to_redo(previous, cfg.glue_dir, settings.submission):
+        return _finished_earlier(previous, out_dir, log)
     atomic.check_writable_folder(out_dir, "the run's results")
     tokenizer = load_model_tokenizer(cfg)
     check_tokenizer_fits(cfg, tokenizer, log)
@@ -458,19 +481,17 @@ def finetune(model_dir: Union[str, Path], settings: FinetuneSettings, log: Calla
     def locked() -> dict:  # what reads and writes the run folder, under its lock
         best_path, log_file = out_dir / "best.model", log_path(checkpoint_dir, settings)
         padding, method = padding_of(cfg.model), method_of(cfg.model)
-        previous = read_result(checkpoint_dir, settings, method)
-        if (previous is not None and submission_to_redo(previous, cfg.glue_dir, settings.submission)
-                and best_path.is_file()):
+        previous = read_result(checkpoint_dir, settings, method)  # again: another run may have ended meanwhile
+        if previous is not None and not submission_to_redo(previous, cfg.glue_dir, settings.submission):
+            return _finished_earlier(previous, out_dir, log)
+        if previous is not None and best_path.is_file():
             why = ("failed" if previous.get("submission_errors") else
                    "was not made (--no-submission)" if not previous["settings"].get("submission", True) else
                    "lacks a file whose test file is there now")
             log(f"{out_dir}: trained earlier, but its submission {why}; redoing only the submission from {best_path}")
             return submit(previous)
-        if previous is not None and not previous.get("diverged") and best_path.is_file():
-            # as pretraining: rerunning a finished run does nothing (--no-submission keeps the files it has)
-            log(f"{out_dir}: finished earlier with these settings (best dev score {previous['best_score']:.4f} at "
-                f"epoch {previous['best_epoch']}); nothing to do. To train it again, delete that folder")
-            return previous
+        if previous is not None:
+            log(f"{out_dir}: its submission is to be redone, but {best_path.name} is gone: training the run again")
         stored = _stored_result(checkpoint_dir, settings)
         if stored is not None and previous is None:
             differences = (settings_differences(settings, stored.get("settings", {}))

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -131,8 +132,11 @@ def _run_subprocess(model_dir: Path, settings: FinetuneSettings, device: str, ch
     # run_glue.py is `nystromformer glue` without importing every other subcommand's module.
     cmd = [sys.executable, str(CODE_DIR / "run_glue.py"), "--model-dir", str(model_dir),
            *settings_to_argv(dataclasses.replace(settings, progress=False))]  # the console goes to a file
-    # The console output of the latest attempt (rewritten each time); result.json marks completion.
-    with open(out / "console.txt", "w") as console:
+    # Each attempt's console output, appended under a line of its own: an attempt refused by a run still going
+    # (run.lock) must not wipe that run's output. result.json marks completion.
+    with open(out / "console.txt", "a") as console:
+        console.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd[1:])} (CUDA_VISIBLE_DEVICES={device})\n")
+        console.flush()
         child = runs.start(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
         if child is None:
             return None
@@ -171,7 +175,9 @@ def run_sweep(model_dir: Union[str, Path], runs: List[FinetuneSettings], devices
         if runs[0].device is not None:
             resolve_device(runs[0].device)
         # each run would quietly train on the CPU instead (CUDA_VISIBLE_DEVICES="" asks for that: the API's CPU pool)
-        if devices and any(devices) and not torch.cuda.is_available():
+        # (unless CUDA_VISIBLE_DEVICES hides the GPUs from this process only: the runs get devices of their own)
+        if (devices and any(devices) and not torch.cuda.is_available()
+                and os.environ.get("CUDA_VISIBLE_DEVICES") is None):
             raise SettingsError(f"--devices {','.join(devices)}: PyTorch sees no CUDA GPU here (torch "
                                 f"{torch.__version__}); leave --devices out to run the sweep on the CPU")
         find_model(checkpoint_dir, runs[0].checkpoint)
@@ -281,10 +287,12 @@ def finished_runs(checkpoint_dir: Path, like: FinetuneSettings, log: Callable[[s
             continue
         found.append((settings, result))
     for differences, names in made_otherwise.items():
+        why = (f": runs before 2026-11-23 padded their batches {PADDED_TO_LONGEST}, before 2026-11-24 evaluated "
+               f"each example {WITH_ITS_BATCH}; a Nystrom model's predictions then depended on their batch: "
+               f"docs/glue.md, 'Padding'" if "batches padded" in differences or "examples evaluated" in differences
+               else ": config.json's model settings changed since they ran")
         log(f"warning: {len(names)} finished run(s) in {Path(checkpoint_dir) / 'glue'} were made otherwise than this "
-            f"model's runs must be ({differences}: runs before 2026-11-23 padded their batches {PADDED_TO_LONGEST}, "
-            f"before 2026-11-24 evaluated each example {WITH_ITS_BATCH}; a Nystrom model's predictions then depended "
-            f"on their batch: docs/glue.md, 'Padding') and are not in the summary: {', '.join(names)}; rerun the "
+            f"model's runs must be ({differences}{why}) and are not in the summary: {', '.join(names)}; rerun the "
             f"sweep to redo them")
     if others:
         theirs: Dict[str, set] = {}
