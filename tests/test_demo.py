@@ -114,7 +114,7 @@ def test_on_a_file_system_without_locks_the_demo_warns_and_goes_on(tmp_path, mon
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
-    monkeypatch.setattr(demo.fcntl, "flock", no_locks)
+    monkeypatch.setattr(demo.atomic.fcntl, "flock", no_locks)
     with demo.claimed_output(tmp_path / "demo-output"):
         assert (tmp_path / "demo-output" / demo.MARKER).is_file()
     assert "does not support locks" in capsys.readouterr().err

@@ -143,10 +143,10 @@ NO_FLOCK_ERRNOS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 @contextmanager
-def exclusive_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[None]:
-    """Hold an exclusive flock on ``path`` (created, with "HOST pid PID" written in it) while the block runs;
-    another process holding it raises ``busy(its holder)`` at once. The lock goes with the process, so a killed
-    one leaves none behind; on a file system without flock, a warning and no lock."""
+def exclusive_lock(path: Path, busy: Callable[[str], Exception], content: Optional[str] = None) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created, then holding ``content``, by default "HOST pid PID") while the
+    block runs; another process holding it raises ``busy(what the file says)`` at once. The lock goes with the
+    process, so a killed one leaves none behind; on a file system without flock, a warning and no lock."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
@@ -159,7 +159,7 @@ def exclusive_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[Non
             print(f"warning: {path}: this file system does not support locks ({e.strerror}); going on without one",
                   file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
-        os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
+        os.write(fd, (content or f"{socket.gethostname()} pid {os.getpid()}\n").encode())
         yield
     finally:
         os.close(fd)

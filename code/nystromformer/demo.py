@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import shutil
 import signal
@@ -26,7 +25,7 @@ from .atomic import check_output_folder
 from .cli import add_subcommand
 from .config import load_config
 from .errors import UserError
-from .pretrain import LOG_NAME as PRETRAIN_LOG, NO_FLOCK_ERRNOS, PREEMPTED_EXIT_CODE
+from .pretrain import LOG_NAME as PRETRAIN_LOG, PREEMPTED_EXIT_CODE
 from .validate import LOG_NAME as VALIDATION_LOG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,17 +131,12 @@ def claimed_output(out: Path) -> Iterator[None]:
     from deleting this one's files while it runs (the lock goes with the process, however it ends)."""
     check_output(out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / MARKER, "a+") as marker:
-        try:
-            fcntl.flock(marker, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"--output {out}: another demo is running in this folder; wait for it to finish or "
-                            f"choose another --output") from None
-        except OSError as e:  # a file system without locks (some cluster mounts), as pretraining's folder_lock
-            if e.errno not in NO_FLOCK_ERRNOS:
-                raise
-            print(f"warning: {out}: this file system does not support locks ({e.strerror}); running without one",
-                  file=sys.stderr, flush=True)
+
+    def busy(_: str) -> UserError:
+        return UserError(f"--output {out}: another demo is running in this folder; wait for it to finish or choose "
+                         f"another --output")
+    with atomic.exclusive_lock(out / MARKER, busy,
+                               "written by `nystromformer demo`; deleted and rewritten by the next demo run\n"):
         for child in out.iterdir():
             if child.name == MARKER:
                 continue
@@ -150,9 +144,6 @@ def claimed_output(out: Path) -> Iterator[None]:
                 shutil.rmtree(child)
             else:
                 child.unlink()
-        marker.truncate(0)
-        marker.write("written by `nystromformer demo`; deleted and rewritten by the next demo run\n")
-        marker.flush()
         yield
 
 
