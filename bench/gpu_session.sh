@@ -18,6 +18,8 @@
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
 #   bash bench/gpu_session.sh check attention model profile     # several, in order
+#   DRY_RUN=1 bash bench/gpu_session.sh check attention          # here, before device time: every command's
+#                                         # arguments checked, nothing run (bench/gpu_session_dry_run.py)
 #
 # Each command runs under STAGE_LIMIT seconds (default 300) and within SESSION_LIMIT (default 570) of the start,
 # skipped when under 30 s are left, so split long plans over several calls — except listops, whose parallel runs
@@ -30,9 +32,20 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 RESULTS=${RESULTS:-/tmp/gpu-results}
-mkdir -p "$OUT" "$RESULTS"
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
+if [ -n "${DRY_RUN:-}" ]; then
+  # Each command goes to bench/gpu_session_dry_run.py, which checks its arguments (a script's argparse, pytest's
+  # collection) and runs nothing; results and the log go to a temporary folder, and an empty settings file stands
+  # in for the settings stage's best.json.
+  RESULTS=$(mktemp -d -t gpu-session-dry-run.XXXXXX); OUT=$RESULTS
+  mkdir -p "$RESULTS/settings"; echo '{}' > "$RESULTS/settings/best.json"
+  printf '#!/usr/bin/env bash\n%q %q "$@" || { echo "$*" >> %q; exit 1; }\n' "$python" \
+    "$PWD/bench/gpu_session_dry_run.py" "$RESULTS/dry-run-failed" > "$RESULTS/python"
+  chmod +x "$RESULTS/python"; python=$RESULTS/python
+  nvidia-smi() { echo "dry run: nvidia-smi (not run)"; }
+fi
+mkdir -p "$OUT" "$RESULTS"
 limit=${STAGE_LIMIT:-300}
 # The device tool stops a call at 600 s: every command gets at most what is left of SESSION_LIMIT (default 570 s
 # from the start), so the last stage ends on its own and its table is written, rather than being cut off unseen.
@@ -194,8 +207,16 @@ for f in pathlib.Path(sys.argv[1]).iterdir():
 
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%T)"
-  if declare -F "stage_$stage" > /dev/null; then "stage_$stage" || echo "=== stage $stage FAILED ($?)"; else
-    echo "unknown stage $stage" >&2; fi
-  tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .  # after every stage: a command cut off at its limit keeps these
+  if ! declare -F "stage_$stage" > /dev/null; then
+    echo "unknown stage $stage" >&2; [ -z "${DRY_RUN:-}" ] || echo "stage $stage" >> "$RESULTS/dry-run-failed"
+  elif [ -n "${DRY_RUN:-}" ]; then "stage_$stage"  # judged by its commands' checks (a grep of a table finds none)
+  else "stage_$stage" || echo "=== stage $stage FAILED ($?)"; fi
+  # after every stage: a command cut off at its limit keeps these
+  [ -n "${DRY_RUN:-}" ] || tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
 done
 echo "=== done $(date -u +%T)"
+if [ -n "${DRY_RUN:-}" ]; then
+  if [ -s "$RESULTS/dry-run-failed" ]; then
+    echo "=== dry run: $(wc -l < "$RESULTS/dry-run-failed") command(s) FAILED their check (above)"; exit 1; fi
+  echo "=== dry run: every command's arguments check out (log: $OUT/session.log)"
+fi

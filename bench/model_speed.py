@@ -178,6 +178,13 @@ def kernel_breakdown(step, batch_data, device, rows=25):
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
+def validate_args(ap, args):
+    """Checks between arguments (also what `DRY_RUN=1 bash bench/gpu_session.sh` checks before device time)."""
+    for name in args.kernels + args.host_profile:
+        if name not in args.models:
+            ap.error(f"{name} is not among --models ({' '.join(args.models)})")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -201,13 +208,11 @@ def main(argv=None):
                     help="only the profile's rows whose file:line(function) matches, e.g. nystromformer/ for our "
                          "own code (on the CPU under TRITON_INTERPRET=1 the interpreter's rows hide it)")
     args = ap.parse_args(argv)
+    validate_args(ap, args)
     device = torch.device(args.device)
     amp = device.type == "cuda"
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
                       attention_fp32=args.attention_fp32 == "true")
-    for name in args.kernels + args.host_profile:
-        if name not in args.models:
-            ap.error(f"{name} is not among --models ({' '.join(args.models)})")
     rows, breakdowns, profiles = {}, {}, {}
     caller = {key: os.environ[key] for key in SWITCHES if key in os.environ}  # the caller's, under every row's own
     for name in args.models:

@@ -95,6 +95,13 @@ def bare_tokens_per_s(folder: Path, device: torch.device, warmup: int, steps: in
     return cfg.pretraining_setting.batch_size * cfg.model.max_seq_len / statistics.median(times[warmup:])
 
 
+def validate_args(ap, args):
+    """Checks between arguments (also what `DRY_RUN=1 bash bench/gpu_session.sh` checks before device time)."""
+    if args.rows_per_pass and args.rows_per_pass % (args.micro_batch or args.batch):
+        ap.error(f"--rows-per-pass {args.rows_per_pass} must be a multiple of --micro-batch "
+                 f"({args.micro_batch or args.batch}: the default is --batch)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -114,9 +121,7 @@ def main(argv=None):
                     help="model.attention_fp32 (false: attention in bf16, as model_speed's main rows and the "
                          "issue's SDPA baseline; nystrom-512/config.json has true)")
     args = ap.parse_args(argv)
-    if args.rows_per_pass and args.rows_per_pass % (args.micro_batch or args.batch):
-        ap.error(f"--rows-per-pass {args.rows_per_pass} must be a multiple of --micro-batch "
-                 f"({args.micro_batch or args.batch}: the default is --batch)")
+    validate_args(ap, args)
     device = torch.device(args.device)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="pretrain-loop-") as tmp:

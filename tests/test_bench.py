@@ -370,3 +370,60 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     assert programs["segment_means_grad"]["rows=64"] * 2 == programs["segment_means_grad"]["chosen"]
     # pass 1 (3 programs) and its combine: 16 landmark rows (2 padded) in programs of 4, 2 or 8
     assert [programs["lq_combine"][s] for s in ("chosen", "rows=2", "rows=8")] == [3 + 4, 3 + 8, 3 + 2]
+
+
+def gpu_session_stages() -> list[str]:
+    """The stages gpu_session.sh's usage line names; each must be one of its stage functions."""
+    text = (REPO / "bench" / "gpu_session.sh").read_text()
+    usage = next(line for line in text.splitlines() if "echo \"stages: " in line)
+    named = usage.split("stages: ", 1)[1].split('"', 1)[0].split()
+    defined = [line.split("()")[0].removeprefix("stage_") for line in text.splitlines() if line.startswith("stage_")]
+    assert named == defined, "the usage line and the stage functions differ"
+    return named
+
+
+def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_none(tmp_path):
+    # Before device time: each stage's commands are checked against their scripts' arguments and pytest's
+    # collection, on the CPU in seconds. A flag or test renamed since the script was written fails here.
+    stages = gpu_session_stages()
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", *stages], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "FAILED" not in out and "skipped" not in out and "unknown stage" not in out, out[-5000:]
+    assert [line.split()[2] for line in out.splitlines() if line.startswith("=== stage ")] == stages
+    checked = [line.removeprefix("dry run ok: ") for line in out.splitlines() if line.startswith("dry run ok: ")]
+    text = (REPO / "bench" / "gpu_session.sh").read_text()
+    commands = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    scripts = {word for line in commands for word in line.split() if word.startswith("bench/") and
+               word.endswith(".py") and word != "bench/gpu_session_dry_run.py"}
+    assert scripts == {c.split()[0] for c in checked if c.startswith("bench/")}
+    assert sum(c.startswith("-m pytest ") for c in checked) == 2  # the check and tuned stages' GPU tests
+    listops = [c for c in checked if c.startswith("-m nystromformer.cli listops-train")]
+    from nystromformer.config import ATTENTION_TYPES
+    assert sorted(c.split("--attn-types ")[1].split()[0] for c in listops) == sorted(ATTENTION_TYPES)
+    results, = tmp_path.glob("gpu-session-dry-run.*")  # the log and results in a temporary folder, not the repo's
+    assert (results / "session.log").read_text() == out
+
+
+@pytest.mark.parametrize("command, reason", [
+    (["bench/model_speed.py", "--modelz", "softmax"], "unrecognized arguments: --modelz"),
+    (["bench/model_speed.py", "--models", "softmax", "--kernels", "nystrom"], "nystrom is not among --models"),
+    (["bench/pretrain_loop.py", "--micro-batch", "8", "--rows-per-pass", "12"], "must be a multiple of"),
+    (["bench/attention_speed.py", "--impls", "fast-triton-al"], "invalid choice: 'fast-triton-al'"),
+    (["bench/no_such_script.py"], "bench/no_such_script.py: no such script"),
+    (["-m", "pytest", "tests/test_bench.py::test_no_such_test"], "collecting exited with status 4"),
+    (["-m", "pytest", "tests/test_bench.py", "--deselect", "tests/test_bench.py::test_gone"],
+     "--deselect tests/test_bench.py::test_gone: no such test was collected"),
+    (["-m", "pytest", "tests/test_bench.py", "-m", "no_such_marker"], "collecting exited with status 5"),
+    (["-m", "nystromformer.cli", "listops-train", "--generate", "--out", "x", "--devise", "cuda"],
+     "unrecognized arguments: --devise"),
+])
+def test_gpu_session_dry_run_fails_a_command_the_device_would_have_refused_and_names_why(command, reason):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
+    proc = subprocess.run([sys.executable, "bench/gpu_session_dry_run.py", *command], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert f"dry run FAILED: {' '.join(command)}" in proc.stderr
+    assert reason in proc.stderr
