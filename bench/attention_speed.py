@@ -307,7 +307,7 @@ def main(argv=None):
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA: also time each forward+backward replayed as one CUDA graph (no host time between "
                          "launches), with its ratios to SDPA's graph and to the floor")
-    ap.add_argument("--kernels", nargs="*", metavar="IMPL",
+    ap.add_argument("--kernels", nargs="*", metavar="IMPL", choices=IMPLS + EXTRA_IMPLS,
                     help="after the table, a per-kernel CUDA time breakdown (torch.profiler) of one fwd+bwd of "
                          "these implementations at each length")
     ap.add_argument("--csv")

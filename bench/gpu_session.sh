@@ -34,7 +34,9 @@ OUT=${OUT:-gpu-results}
 RESULTS=${RESULTS:-/tmp/gpu-results}
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
-if [ -n "${DRY_RUN:-}" ]; then
+[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
+dry_run=; case ${DRY_RUN:-0} in 0|"") ;; *) dry_run=1 ;; esac
+if [ -n "$dry_run" ]; then
   # Each command goes to bench/gpu_session_dry_run.py, which checks its arguments (a script's argparse, pytest's
   # collection) and runs nothing; results and the log go to a temporary folder, and an empty settings file stands
   # in for the settings stage's best.json.
@@ -51,11 +53,11 @@ limit=${STAGE_LIMIT:-300}
 # from the start), so the last stage ends on its own and its table is written, rather than being cut off unseen.
 session_end=$(( $(date +%s) + ${SESSION_LIMIT:-570} ))
 limited() {
+  if [ -n "$dry_run" ]; then "$@"; return; fi  # a check is seconds: no limit skips or cuts one off
   local left=$(( session_end - $(date +%s) ))
   if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
   timeout "$(( left < limit ? left : limit ))" "$@"
 }
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
@@ -208,14 +210,14 @@ for f in pathlib.Path(sys.argv[1]).iterdir():
 for stage in "$@"; do
   echo "=== stage $stage $(date -u +%T)"
   if ! declare -F "stage_$stage" > /dev/null; then
-    echo "unknown stage $stage" >&2; [ -z "${DRY_RUN:-}" ] || echo "stage $stage" >> "$RESULTS/dry-run-failed"
-  elif [ -n "${DRY_RUN:-}" ]; then "stage_$stage"  # judged by its commands' checks (a grep of a table finds none)
+    echo "unknown stage $stage" >&2; [ -z "$dry_run" ] || echo "stage $stage" >> "$RESULTS/dry-run-failed"
+  elif [ -n "$dry_run" ]; then "stage_$stage"  # judged by its commands' checks (a grep of a table finds none)
   else "stage_$stage" || echo "=== stage $stage FAILED ($?)"; fi
   # after every stage: a command cut off at its limit keeps these
-  [ -n "${DRY_RUN:-}" ] || tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
+  [ -n "$dry_run" ] || tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
 done
 echo "=== done $(date -u +%T)"
-if [ -n "${DRY_RUN:-}" ]; then
+if [ -n "$dry_run" ]; then
   if [ -s "$RESULTS/dry-run-failed" ]; then
     echo "=== dry run: $(wc -l < "$RESULTS/dry-run-failed") command(s) FAILED their check (above)"; exit 1; fi
   echo "=== dry run: every command's arguments check out (log: $OUT/session.log)"

@@ -52,6 +52,9 @@ def check_program(label: str, run) -> bool:
     except SystemExit as exc:  # argparse's error (2) after its own message, or --help
         print(f"{label}: exited with status {exc.code} while parsing its arguments", file=sys.stderr)
         return False
+    except Exception as exc:  # a validate_args that raised instead of calling ap.error
+        print(f"{label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return False
     print(f"{label}: finished without parsing any arguments (it would have run for real)", file=sys.stderr)
     return False
 
@@ -72,11 +75,12 @@ def check_pytest(args: list[str]) -> bool:
     deselected += [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--deselect"]
     collected = _Collected()
     status = pytest.main([*args, "--collect-only", "-qq"], plugins=[collected])
-    good = status == 0
     if status != 0:  # 4: a named test or file not found; 5: nothing selected; 2: an error while collecting
         print(f"pytest {shlex.join(args)}: collecting exited with status {int(status)}", file=sys.stderr)
+        return False
+    good = True
     for wanted in deselected:  # pytest drops a --deselect that matches nothing without a word
-        if not any(test == wanted or test.startswith(wanted + "[") for test in collected.ids):
+        if not any(test.startswith(wanted) for test in collected.ids):  # pytest's own match: a prefix
             print(f"--deselect {wanted}: no such test was collected", file=sys.stderr)
             good = False
     return good

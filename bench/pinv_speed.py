@@ -55,13 +55,22 @@ def bench(fn):
     return statistics.median(times)
 
 
+def warps_pair(text: str) -> str:
+    """--warps' FORWARD,BACKWARD: two powers of two (Triton's num_warps)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FORWARD,BACKWARD warps, powers of two, e.g. 4,8")
+    return text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--matrices", type=int, nargs="+", default=[1536, 192, 12])
     ap.add_argument("--m", type=int, default=64)
     ap.add_argument("--iters", type=int, default=6)
-    ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3", "tf32"])
-    ap.add_argument("--warps", nargs="+", default=["4,4", "4,8", "8,8", "8,16", "8,4"],
+    ap.add_argument("--precisions", nargs="+", default=["ieee", "tf32x3", "tf32"], choices=["ieee", "tf32x3", "tf32"],
+                    help="Triton's input_precision for the iteration's products")
+    ap.add_argument("--warps", nargs="+", default=["4,4", "4,8", "8,8", "8,16", "8,4"], type=warps_pair,
                     help="forward,backward warps per program")
     ap.add_argument("--backward-forms", nargs="+", default=["direct", "transposed"],
                     choices=["direct", "transposed"], help="the iteration's backward (PINV_BACKWARD_TRANSPOSED)")

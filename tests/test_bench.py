@@ -382,11 +382,14 @@ def gpu_session_stages() -> list[str]:
     return named
 
 
+@pytest.mark.slow
 def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_none(tmp_path):
     # Before device time: each stage's commands are checked against their scripts' arguments and pytest's
     # collection, on the CPU in seconds. A flag or test renamed since the script was written fails here.
     stages = gpu_session_stages()
-    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    # limits that would skip or cut off every command on the device: a check is never skipped or cut off
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1",
+               STAGE_LIMIT="1", SESSION_LIMIT="1")
     proc = subprocess.run(["bash", "bench/gpu_session.sh", *stages], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     out = proc.stdout
@@ -419,6 +422,14 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     (["-m", "pytest", "tests/test_bench.py", "-m", "no_such_marker"], "collecting exited with status 5"),
     (["-m", "nystromformer.cli", "listops-train", "--generate", "--out", "x", "--devise", "cuda"],
      "unrecognized arguments: --devise"),
+    # the command's own checks after parsing (cli.validate_args), without its device or output checks
+    (["-m", "nystromformer.cli", "listops-train", "--generate", "--out", "x", "--attn-types", "softmax,nystrm"],
+     "error: --attn-types: unknown attention type(s) nystrm"),
+    (["-m", "nystromformer.cli", "listops-train", "--generate", "--out", "x", "--set", "num_landmarks=0"],
+     "error: --set num_landmarks: must be >= 1, got 0"),
+    (["bench/attention_speed.py", "--kernels", "fast-triton-al"], "invalid choice: 'fast-triton-al'"),
+    (["bench/pinv_speed.py", "--warps", "4:4"], "'4:4': expected FORWARD,BACKWARD warps"),
+    (["bench/pinv_speed.py", "--precisions", "tf23"], "invalid choice: 'tf23'"),
 ])
 def test_gpu_session_dry_run_fails_a_command_the_device_would_have_refused_and_names_why(command, reason):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
@@ -427,3 +438,16 @@ def test_gpu_session_dry_run_fails_a_command_the_device_would_have_refused_and_n
     assert proc.returncode == 1
     assert f"dry run FAILED: {' '.join(command)}" in proc.stderr
     assert reason in proc.stderr
+
+
+def test_gpu_session_dry_run_passes_what_the_device_would_run_and_runs_no_device_or_output_check(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
+    deselect_a_file = ["-m", "pytest", "tests/test_bench.py", "tests/test_config.py", "--deselect", "tests/test_bench.py"]
+    for command in (deselect_a_file,  # pytest deselects by prefix
+                    ["-m", "nystromformer.cli", "listops-train", "--generate", "--out", str(tmp_path / "x"),
+                     "--device", "cuda", "--attn-types", "softmax,nystrom", "--set", "num_landmarks=8"]):
+        proc = subprocess.run([sys.executable, "bench/gpu_session_dry_run.py", *command], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"dry run ok: {' '.join(command)}" in proc.stderr
+    assert not (tmp_path / "x").exists()

@@ -30,11 +30,13 @@ def say(line: str) -> None:
     print(line, file=sys.stderr if line.startswith(WARNING_PREFIX) else sys.stdout, flush=True)
 
 
-def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, run) -> None:
-    """Register a subcommand whose flags come from ``add_arguments`` and whose work is ``run(args)``."""
+def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, run, check=None) -> None:
+    """Register a subcommand whose flags come from ``add_arguments`` and whose work is ``run(args)``; ``check(args)``,
+    when given, is the part of ``run`` that checks the arguments alone (nothing read, written or run; see
+    ``validate_args``)."""
     p = subparsers.add_parser(name, help=help, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, check=check)
 
 
 # The file system refusing a write: the user's to fix (a folder mounted read-only, no permission, a full disk),
@@ -84,6 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(sub)
     return parser
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The command's own checks of its arguments, alone: what ``DRY_RUN=1 bash bench/gpu_session.sh`` runs in place
+    of the command (bench/gpu_session_dry_run.py), with the command's ``error:`` line and status 2. The command
+    makes the same checks when it runs."""
+    check = getattr(args, "check", None)
+
+    def checked(args) -> int:
+        check(args)  # its result is the command's plan, not a status
+        return 0
+
+    if check is not None and run_command(checked, args) != 0:
+        parser.exit(2)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -127,7 +127,10 @@ def add_train_arguments(p):
     p.add_argument("--title", default="ListOps")
 
 
-def run_train(args) -> int:
+def train_plan(args) -> tuple[list[str], dict, RunSettings, list[int]]:
+    """The runs ``args`` ask for — attention types, --set overrides, settings, seeds — each run's model checked, as
+    a UserError naming the flag; nothing read or written, no device touched (also what a dry run of the
+    command checks: cli.validate_args)."""
     names = [a.strip() for a in args.attn_types.split(",") if a.strip()]
     if not names:
         raise UserError(f"--attn-types: give at least one of {', '.join(ATTENTION_TYPES)}")
@@ -154,9 +157,6 @@ def run_train(args) -> int:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
-    check_environment()
-    resolve_device(settings.device)
-    check_output_folder(args.out, "--out")
     for name in names:  # every run's settings checked before the first one trains
         try:
             model_config(name, settings, overrides)
@@ -166,6 +166,14 @@ def run_train(args) -> int:
             if flags is None:
                 raise
             raise UserError(f"{flags}: {e.reason} (the {name} run's model)") from None
+    return names, overrides, settings, seeds
+
+
+def run_train(args) -> int:
+    names, overrides, settings, seeds = train_plan(args)
+    check_environment()
+    resolve_device(settings.device)
+    check_output_folder(args.out, "--out")
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -190,4 +198,4 @@ def add_commands(subparsers) -> None:
     add_subcommand(subparsers, "listops-generate", "generate LRA ListOps TSV files", GEN_DOC, add_gen_arguments,
                    run_generate)
     add_subcommand(subparsers, "listops-train", "train/evaluate ListOps for attention types; results table",
-                   TRAIN_DOC, add_train_arguments, run_train)
+                   TRAIN_DOC, add_train_arguments, run_train, check=train_plan)
