@@ -36,6 +36,12 @@ export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 [ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
 dry_run=; case ${DRY_RUN:-0} in 0|"") ;; *) dry_run=1 ;; esac
+# The GPU tests in GPU_TEST_WORKERS processes (default 8; 0: one) where pytest-xdist is installed (the image has
+# it): they are compile-bound (Triton compiles each kernel variant at its first launch, one at a time in a
+# process; 142 tests took 192 s on 2026-11-23) and share the one GPU only for small fp64-checked shapes.
+workers=()
+if [ "${GPU_TEST_WORKERS:-8}" != 0 ] && "$python" -c 'import xdist' 2> /dev/null; then
+  workers=(-n "${GPU_TEST_WORKERS:-8}"); fi
 if [ -n "$dry_run" ]; then
   # Each command goes to bench/gpu_session_dry_run.py, which checks its arguments (a script's argparse, pytest's
   # collection) and runs nothing; results and the log go to a temporary folder, and an empty settings file stands
@@ -65,7 +71,8 @@ stage_check() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
   # The interpreter and sm_90-compile tests are CPU work that CI runs anyway: not on device time here.
-  limited "$python" -m pytest -q -rs -x -p no:cacheprovider tests/test_nystrom_fast.py tests/test_attention.py \
+  limited "$python" -m pytest -q -rs -x -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/test_nystrom_fast.py \
+    tests/test_attention.py \
     tests/test_model.py tests/test_pretrain.py::test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss \
     tests/test_bench.py::test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_devices_sleep \
     --deselect tests/test_nystrom_fast.py::test_triton_kernels_under_interpreter \
@@ -127,7 +134,7 @@ stage_tuned() {
   [ -s "$best" ] || { echo "=== tuned: no $best (run the settings stage first)"; return 1; }
   cp "$best" "$d/best.json"
   limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" -m pytest -q -rs -x -p no:cacheprovider \
-    tests/test_nystrom_fast.py -m gpu 2>&1 | tee "$d/gpu-tests.txt" | tail -n 5
+    ${workers[@]+"${workers[@]}"} tests/test_nystrom_fast.py -m gpu 2>&1 | tee "$d/gpu-tests.txt" | tail -n 5
   local tests_rc=${PIPESTATUS[0]}  # pytest's own status: a failure, an error or a time-out stops the stage
   [ "$tests_rc" -eq 0 ] || { echo "=== tuned: the GPU tests with $best did not pass (status $tests_rc)"; return 1; }
   limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/attention_speed.py --graphs \

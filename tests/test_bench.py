@@ -451,3 +451,28 @@ def test_gpu_session_dry_run_passes_what_the_device_would_run_and_runs_no_device
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"dry run ok: {' '.join(command)}" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def dry_run_pytest_commands(tmp_path: Path, stage: str, **env_vars: str) -> list[str]:
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), **env_vars)
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", stage], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("dry run ok: -m pytest")]
+
+
+def test_gpu_tests_run_in_one_process_without_xdist_or_with_no_workers(tmp_path):
+    hidden = tmp_path / "no-xdist"  # an xdist that fails to import stands for one not installed
+    (hidden / "xdist").mkdir(parents=True)
+    (hidden / "xdist" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    path = f"{hidden}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    # (where xdist is installed after all, pytest would load it as a plugin: not for this check)
+    for env_vars in ({"PYTHONPATH": path, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, {"GPU_TEST_WORKERS": "0"}):
+        commands = dry_run_pytest_commands(tmp_path, "tuned", **env_vars)
+        assert len(commands) == 1 and " -n " not in commands[0]
+
+
+def test_gpu_tests_run_in_parallel_processes_where_xdist_is_installed(tmp_path):
+    pytest.importorskip("xdist", reason="pytest-xdist is not installed here (the GPU machines' image has it)")
+    assert " -n 8 " in dry_run_pytest_commands(tmp_path, "tuned")[0]
+    assert " -n 3 " in dry_run_pytest_commands(tmp_path, "tuned", GPU_TEST_WORKERS="3")[0]
