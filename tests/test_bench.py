@@ -442,7 +442,8 @@ def test_gpu_session_dry_run_fails_a_command_the_device_would_have_refused_and_n
 
 def test_gpu_session_dry_run_passes_what_the_device_would_run_and_runs_no_device_or_output_check(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
-    deselect_a_file = ["-m", "pytest", "tests/test_bench.py", "tests/test_config.py", "--deselect", "tests/test_bench.py"]
+    deselect_a_file = ["-m", "pytest", "tests/test_bench.py", "tests/test_config.py",
+                       "--deselect", "tests/test_bench.py"]
     for command in (deselect_a_file,  # pytest deselects by prefix
                     ["-m", "nystromformer.cli", "listops-train", "--generate", "--out", str(tmp_path / "x"),
                      "--device", "cuda", "--attn-types", "softmax,nystrom", "--set", "num_landmarks=8"]):
