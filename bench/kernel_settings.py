@@ -24,6 +24,7 @@ by more than the noise is a candidate for the wrapper's default — after the GP
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -205,6 +206,23 @@ def child_argv(args, wrapper: str) -> list[str]:
             str(args.repeat)]
 
 
+def compile_first(args, env: dict, workers: int) -> None:
+    """Every wrapper's process once, untimed, ``workers`` at a time: the compiles run in parallel (each setting's
+    kernels land in Triton's on-disk cache, written atomically), so the timed runs after it load them. Their
+    output is dropped; a process that fails here fails again, and says why, in its timed run."""
+    start = time.perf_counter()
+    untimed = argparse.Namespace(**{**vars(args), "repeat": 1})
+
+    def run(wrapper: str) -> int:
+        return subprocess.run(child_argv(untimed, wrapper), env=env, capture_output=True).returncode
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        failed = sum(code != 0 for code in pool.map(run, args.wrappers))
+    print(f"# compiled first: {len(args.wrappers)} wrappers' processes untimed, {workers} at a time, in "
+          f"{time.perf_counter() - start:.0f} s" + (f" ({failed} failed: their rows below say why)" if failed else ""),
+          flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu (the interpreter)")
@@ -223,6 +241,11 @@ def main(argv=None):
                          "--dtype section of a NYSTROM_LAUNCH_SETTINGS file (an existing file's other dtypes are "
                          "kept)")
     ap.add_argument("--margin", type=float, default=0.97, help="a setting must time below this × chosen (noise)")
+    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                    help="first run every wrapper's process untimed (--repeat 1), N at a time: Triton compiles each "
+                         "setting at its first launch, one at a time in a process, and its on-disk cache then "
+                         "serves the timed runs, one at a time as before (default 8 on CUDA; 0 on the CPU, where "
+                         "the interpreter compiles nothing)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.device is None:
@@ -241,6 +264,9 @@ def main(argv=None):
           + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else "")
           + (f"; NYSTROM_LAUNCH_SETTINGS={ignored} not used: the sweep starts from the code's own settings"
              if ignored else ""))
+    workers = args.compile_workers if args.compile_workers is not None else 8 if args.device == "cuda" else 0
+    if workers > 0:
+        compile_first(args, env, workers)
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
     print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
     print("|---|---|---|---|---|---|---|---|")

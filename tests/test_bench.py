@@ -477,3 +477,19 @@ def test_gpu_tests_run_in_parallel_processes_where_xdist_is_installed(tmp_path):
     pytest.importorskip("xdist", reason="pytest-xdist is not installed here (the GPU machines' image has it)")
     assert " -n 8 " in dry_run_pytest_commands(tmp_path, "tuned")[0]
     assert " -n 3 " in dry_run_pytest_commands(tmp_path, "tuned", GPU_TEST_WORKERS="3")[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_kernel_settings_compiles_first_in_parallel_untimed_then_times_the_same_sweep():
+    # On a GPU the sweep is compile-bound: every wrapper's process runs once untimed, several at a time, and the
+    # timed runs then load the kernels from Triton's cache. The table is the sweep's either way.
+    tiny = ["bench/kernel_settings.py", "--device", "cpu", "--tokens", "256", "--lengths", "128", "--heads", "1",
+            "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32", "--repeat", "1",
+            "--wrappers", "segment_means_raw", "conv_raw"]
+    first, alone = run_script(*tiny, "--compile-workers", "2"), run_script(*tiny)
+    assert sum(line.startswith("# compiled first: 2 wrappers' processes untimed, 2 at a time") for line in first) == 1
+    assert not any(line.startswith("# compiled first") for line in alone)  # the CPU's default: none
+
+    def untimed(lines):
+        return [r[:5] + r[7:] for r in table_rows(lines)]  # without ms and × chosen
+    assert untimed(first) == untimed(alone) and len(untimed(alone)) > 8
