@@ -58,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
+from compile_first import run_untimed  # noqa: E402
+
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
 # Not run by default: for comparisons of one change (--impls ... fast-triton-all-conv-apart)
@@ -289,6 +291,14 @@ def kernel_breakdown(name, layer, b, n, args, device, rows=14):
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
+def untimed_argv(args, name: str, n: int) -> list[str]:
+    """This script for one implementation at one length, once, untimed: what compiles its kernels."""
+    return [sys.executable, __file__, "--device", args.device, "--tokens", str(args.tokens), "--lengths", str(n),
+            "--impls", name, "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--landmarks",
+            str(args.landmarks), "--conv", str(args.conv), "--init", args.init, "--pad", str(args.pad), "--warmup",
+            "0", "--repeat", "1", "--compile-workers", "0"]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -310,6 +320,11 @@ def main(argv=None):
     ap.add_argument("--kernels", nargs="*", metavar="IMPL", choices=IMPLS + EXTRA_IMPLS,
                     help="after the table, a per-kernel CUDA time breakdown (torch.profiler) of one fwd+bwd of "
                          "these implementations at each length")
+    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                    help="first run each Triton implementation at each length once, untimed, in a process of its "
+                         "own, N at a time, so the table's runs load the kernels from Triton's cache instead of "
+                         "compiling them one at a time (default 8 on CUDA; 0 on the CPU: the interpreter compiles "
+                         "nothing)")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -318,6 +333,11 @@ def main(argv=None):
         ap.error("--graphs needs a CUDA device (CUDA graphs)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
+    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
+    compiled = [name for name in args.impls if "triton" in name]
+    if workers > 0 and compiled:
+        print(run_untimed([untimed_argv(args, name, n) for name in compiled for n in args.lengths], dict(os.environ),
+                          workers), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig(num_head=args.heads, head_dim=args.head_dim, transformer_dim=args.heads * args.head_dim,
                       num_landmarks=args.landmarks, conv_kernel_size=args.conv or None, inv_coeff_init_option=args.init)

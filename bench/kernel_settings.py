@@ -24,7 +24,6 @@ by more than the noise is a candidate for the wrapper's default — after the GP
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import statistics
@@ -32,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from compile_first import run_untimed
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the first kernel of a wrapper's call was launched with: rows a tile (BLOCK_N, or BLOCK_K for pass 1's key
@@ -206,23 +207,6 @@ def child_argv(args, wrapper: str) -> list[str]:
             str(args.repeat)]
 
 
-def compile_first(args, env: dict, workers: int) -> None:
-    """Every wrapper's process once, untimed, ``workers`` at a time: the compiles run in parallel (each setting's
-    kernels land in Triton's on-disk cache, written atomically), so the timed runs after it load them. Their
-    output is dropped; a process that fails here fails again, and says why, in its timed run."""
-    start = time.perf_counter()
-    untimed = argparse.Namespace(**{**vars(args), "repeat": 1})
-
-    def run(wrapper: str) -> int:
-        return subprocess.run(child_argv(untimed, wrapper), env=env, capture_output=True).returncode
-
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        failed = sum(code != 0 for code in pool.map(run, args.wrappers))
-    print(f"# compiled first: {len(args.wrappers)} wrappers' processes untimed, {workers} at a time, in "
-          f"{time.perf_counter() - start:.0f} s" + (f" ({failed} failed: their rows below say why)" if failed else ""),
-          flush=True)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cuda (default when there is one) or cpu (the interpreter)")
@@ -265,8 +249,9 @@ def main(argv=None):
           + (f"; NYSTROM_LAUNCH_SETTINGS={ignored} not used: the sweep starts from the code's own settings"
              if ignored else ""))
     workers = args.compile_workers if args.compile_workers is not None else 8 if args.device == "cuda" else 0
-    if workers > 0:
-        compile_first(args, env, workers)
+    if workers > 0:  # every wrapper's process once, untimed (compile_first.py)
+        untimed = argparse.Namespace(**{**vars(args), "repeat": 1})
+        print(run_untimed([child_argv(untimed, wrapper) for wrapper in args.wrappers], env, workers), flush=True)
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
     print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
     print("|---|---|---|---|---|---|---|---|")

@@ -487,9 +487,21 @@ def test_kernel_settings_compiles_first_in_parallel_untimed_then_times_the_same_
             "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--dtype", "fp32", "--repeat", "1",
             "--wrappers", "segment_means_raw", "conv_raw"]
     first, alone = run_script(*tiny, "--compile-workers", "2"), run_script(*tiny)
-    assert sum(line.startswith("# compiled first: 2 wrappers' processes untimed, 2 at a time") for line in first) == 1
+    assert sum(line.startswith("# compiled first: 2 processes untimed, 2 at a time") for line in first) == 1
     assert not any(line.startswith("# compiled first") for line in alone)  # the CPU's default: none
 
     def untimed(lines):
         return [r[:5] + r[7:] for r in table_rows(lines)]  # without ms and × chosen
     assert untimed(first) == untimed(alone) and len(untimed(alone)) > 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_attention_speed_compiles_each_triton_row_first_in_its_own_untimed_process():
+    lines = run_script("bench/attention_speed.py", "--device", "cpu", "--tokens", "256", "--lengths", "64", "128",
+                       "--repeat", "1", "--warmup", "0", "--heads", "2", "--head-dim", "16", "--landmarks", "8",
+                       "--conv", "5", "--impls", "sdpa", "fast-triton", "--compile-workers", "2", TRITON_INTERPRET="1")
+    first = [line for line in lines if line.startswith("# compiled first")]
+    assert len(first) == 1 and first[0].startswith("# compiled first: 2 processes untimed, 2 at a time, in ")
+    assert "failed" not in first[0]  # the one Triton implementation at each of the two lengths ran
+    assert [(r[0], r[2]) for r in table_rows(lines)] == [(n, impl) for n in ("64", "128")
+                                                         for impl in ("sdpa", "fast-triton")]
