@@ -291,15 +291,32 @@ def kernel_breakdown(name, layer, b, n, args, device, rows=14):
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def untimed_argv(args, name: str, n: int) -> list[str]:
-    """This script for one implementation at one length, once, untimed: what compiles its kernels."""
-    return [sys.executable, __file__, "--device", args.device, "--tokens", str(args.tokens), "--lengths", str(n),
-            "--impls", name, "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--landmarks",
-            str(args.landmarks), "--conv", str(args.conv), "--init", args.init, "--pad", str(args.pad), "--warmup",
-            "0", "--repeat", "1", "--compile-workers", "0"]
+def untimed_argv(args, name: str) -> list[str]:
+    """This script for one implementation at every length, once, untimed: it launches what the table's rows of
+    that implementation launch (the same shapes, and --check's no-grad forward), so it compiles their kernels."""
+    check = ["--check"] if args.check else []
+    return [sys.executable, __file__, "--device", args.device, "--tokens", str(args.tokens), "--lengths",
+            *map(str, args.lengths), "--impls", name, "--heads", str(args.heads), "--head-dim", str(args.head_dim),
+            "--landmarks", str(args.landmarks), "--conv", str(args.conv), "--init", args.init, "--pad",
+            str(args.pad), "--warmup", "0", "--repeat", "1", "--compile-workers", "0", *check]
 
 
 def main(argv=None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if args.graphs and device.type != "cuda":
+        ap.error("--graphs needs a CUDA device (CUDA graphs)")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
+    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
+    compiled = [name for name in dict.fromkeys(args.impls + (args.kernels or [])) if "triton" in name]
+    if workers > 0 and compiled:  # one process an implementation: its lengths share kernels, compiled once
+        print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
+    run_table(args, device)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, default=65536)
@@ -321,23 +338,16 @@ def main(argv=None):
                     help="after the table, a per-kernel CUDA time breakdown (torch.profiler) of one fwd+bwd of "
                          "these implementations at each length")
     ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                    help="first run each Triton implementation at each length once, untimed, in a process of its "
-                         "own, N at a time, so the table's runs load the kernels from Triton's cache instead of "
-                         "compiling them one at a time (default 8 on CUDA; 0 on the CPU: the interpreter compiles "
-                         "nothing)")
+                    help="first run each Triton implementation (of --impls and --kernels) once at every length, "
+                         "untimed, in a process of its own, N at a time, so the table's runs load the kernels from "
+                         "Triton's cache instead of compiling them one at a time (default 8 on CUDA; 0 on the CPU: "
+                         "the interpreter compiles nothing)")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if args.graphs and device.type != "cuda":
-        ap.error("--graphs needs a CUDA device (CUDA graphs)")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
-    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
-    compiled = [name for name in args.impls if "triton" in name]
-    if workers > 0 and compiled:
-        print(run_untimed([untimed_argv(args, name, n) for name in compiled for n in args.lengths], dict(os.environ),
-                          workers), flush=True)
+    return ap
+
+
+def run_table(args, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig(num_head=args.heads, head_dim=args.head_dim, transformer_dim=args.heads * args.head_dim,
                       num_landmarks=args.landmarks, conv_kernel_size=args.conv or None, inv_coeff_init_option=args.init)

@@ -1,22 +1,31 @@
-"""Triton compiles each kernel variant at its first launch, one at a time in a process (about a second each on
-the H100's host), so a GPU benchmark of many variants is compile-bound. `run_untimed` runs a benchmark's own
-pieces first, untimed and several processes at a time: their compiles land in Triton's on-disk cache (each file
-written to a temporary name and renamed, so processes can share it), and the timed runs after them load the
-kernels from it instead of compiling."""
+"""Triton compiles each kernel variant at its first launch, one at a time in a process (1.7 s a variant for sm_90
+on the 2-core CPU machine: `bench/triton_compile_report.py` compiles its 81 in 141 s), so a GPU benchmark of many
+variants is compile-bound. `run_untimed` runs a benchmark's own pieces first, untimed and several processes at a
+time: their compiles land in Triton's on-disk cache (each file written under a temporary name and renamed, so
+processes can share it), and the timed runs after them load the kernels from it instead of compiling."""
 import concurrent.futures
 import subprocess
 import time
 
 
-def run_untimed(commands: list[list[str]], env: dict, workers: int) -> str:
-    """Runs ``commands`` ``workers`` at a time, output dropped; one line saying what ran, how long it took and
-    how many failed (a piece that fails here fails again in its timed run, which says why)."""
+def run_untimed(commands: list[list[str]], env: dict, workers: int, timeout: float = 240) -> str:
+    """Runs ``commands`` ``workers`` at a time, output dropped, each stopped after ``timeout`` seconds (a hung
+    piece must not eat the time its timed run needs); one line saying what ran, how long it took, and how many
+    failed or were stopped. Those only cost time: their timed runs compile what they still need, and fail again,
+    saying why, where they failed here."""
     start = time.perf_counter()
 
-    def run(command: list[str]) -> int:
-        return subprocess.run(command, env=env, capture_output=True).returncode
+    def run(command: list[str]) -> str:
+        try:
+            status = subprocess.run(command, env=env, capture_output=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return "stopped"
+        return "ok" if status == 0 else "failed"
 
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        failed = sum(code != 0 for code in pool.map(run, commands))
-    return (f"# compiled first: {len(commands)} processes untimed, {workers} at a time, in "
-            f"{time.perf_counter() - start:.0f} s" + (f" ({failed} failed: their rows say why)" if failed else ""))
+        outcomes = list(pool.map(run, commands))
+    trouble = [f"{outcomes.count(o)} {o}" + (f" at {timeout:.0f} s" if o == "stopped" else "")
+               for o in ("failed", "stopped") if o in outcomes]
+    plural = "" if len(commands) == 1 else "es"
+    return (f"# compiled first: {len(commands)} process{plural} untimed, {workers} at a time, in "
+            f"{time.perf_counter() - start:.0f} s" + (f" ({', '.join(trouble)})" if trouble else ""))

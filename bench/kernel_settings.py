@@ -15,7 +15,9 @@ the chosen one does (relative difference of all outputs; settings only reorder s
 
 Each wrapper runs in a process of its own, for every length (each setting compiles once): on a GPU a setting
 Triton compiles wrong can fault and take the CUDA context with it — that wrapper's rows say so, the others still
-run. One table, a wrapper's rows printed as its process ends (a run cut off keeps them): wrapper, n, setting,
+run. On CUDA every wrapper's process first runs once untimed, 8 at a time (`--compile-workers`,
+bench/compile_first.py): the sweep is compile-bound, and the timed processes, one at a time, then load the
+kernels from Triton's cache. One table, a wrapper's rows printed as its process ends (a run cut off keeps them): wrapper, n, setting,
 what its first kernel was launched with (after the wrapper's clamps to n), programs launched, median ms (CUDA
 events), × the chosen setting's time, relative difference of the outputs. A setting faster than the chosen one
 by more than the noise is a candidate for the wrapper's default — after the GPU tests pass with it

@@ -402,7 +402,7 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     scripts = {word for line in commands for word in line.split() if word.startswith("bench/") and
                word.endswith(".py") and word != "bench/gpu_session_dry_run.py"}
     assert scripts == {c.split()[0] for c in checked if c.startswith("bench/")}
-    assert sum(c.startswith("-m pytest ") for c in checked) == 2  # the check and tuned stages' GPU tests
+    assert sum(c.startswith("-m pytest ") for c in checked) == 3  # check's GPU tests, its host-time test; tuned's
     listops = [c for c in checked if c.startswith("-m nystromformer.cli listops-train")]
     from nystromformer.config import ATTENTION_TYPES
     assert sorted(c.split("--attn-types ")[1].split()[0] for c in listops) == sorted(ATTENTION_TYPES)
@@ -501,7 +501,32 @@ def test_attention_speed_compiles_each_triton_row_first_in_its_own_untimed_proce
                        "--repeat", "1", "--warmup", "0", "--heads", "2", "--head-dim", "16", "--landmarks", "8",
                        "--conv", "5", "--impls", "sdpa", "fast-triton", "--compile-workers", "2", TRITON_INTERPRET="1")
     first = [line for line in lines if line.startswith("# compiled first")]
-    assert len(first) == 1 and first[0].startswith("# compiled first: 2 processes untimed, 2 at a time, in ")
-    assert "failed" not in first[0]  # the one Triton implementation at each of the two lengths ran
+    assert len(first) == 1 and first[0].startswith("# compiled first: 1 process untimed, 2 at a time, in ")
+    assert "failed" not in first[0]  # the one Triton implementation, at both lengths in its process
     assert [(r[0], r[2]) for r in table_rows(lines)] == [(n, impl) for n in ("64", "128")
                                                          for impl in ("sdpa", "fast-triton")]
+
+
+def test_attention_speeds_untimed_run_repeats_every_option_that_decides_which_kernels_compile():
+    # A child given other shapes, padding, init or --check would compile other variants than the table's rows
+    sys.path.insert(0, str(REPO / "bench"))
+    import attention_speed
+    parser = attention_speed.build_parser()
+    given = ["--device", "cpu", "--tokens", "300", "--lengths", "60", "100", "--heads", "3", "--head-dim", "8",
+             "--landmarks", "5", "--conv", "7", "--init", "exact", "--pad", "0.5", "--check"]
+    args = parser.parse_args(given)
+    child = parser.parse_args(attention_speed.untimed_argv(args, "fast-triton-all")[2:])
+    timing_only = {"impls", "warmup", "repeat", "compile_workers", "csv", "plot", "graphs", "kernels"}
+    for option in set(vars(args)) - timing_only:
+        assert getattr(child, option) == getattr(args, option), option
+    assert (child.impls, child.compile_workers, child.repeat) == (["fast-triton-all"], 0, 1)
+    assert parser.get_default("check") is False  # --check is repeated only when given: a no-grad forward more
+
+
+def test_compiling_first_runs_every_piece_and_counts_the_failed_and_the_stopped():
+    sys.path.insert(0, str(REPO / "bench"))
+    from compile_first import run_untimed
+    line = run_untimed([["true"], ["false"], [sys.executable, "-c", "import time; time.sleep(30)"], ["true"]],
+                       dict(os.environ), workers=2, timeout=2)
+    assert line.startswith("# compiled first: 4 processes untimed, 2 at a time, in ")
+    assert line.endswith("s (1 failed, 1 stopped at 2 s)")
