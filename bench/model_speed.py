@@ -55,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
+from compile_first import run_untimed  # noqa: E402
+
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap", "nystrom-all-recompute"]
 # The switches each of our Nyström variants runs under (set for its build and steps over the caller's own, e.g.
@@ -178,6 +180,15 @@ def kernel_breakdown(step, batch_data, device, rows=25):
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
+def untimed_argv(args, name: str) -> list[str]:
+    """This script for one model at one layer, one step, untimed and uncompiled (torch.compile's own kernels are
+    not ours): its layer launches what each layer of the table's model does, so it compiles their kernels."""
+    padding = ["--padding-mask"] if args.padding_mask else []
+    return [sys.executable, __file__, "--device", args.device, "--models", name, "--seq-len", str(args.seq_len),
+            "--batch", str(args.batch), "--layers", "1", "--attention-fp32", args.attention_fp32, "--warmup", "1",
+            "--steps", "1", "--compile-workers", "0", *padding]
+
+
 def validate_args(ap, args):
     """Checks between arguments (also what `DRY_RUN=1 bash bench/gpu_session.sh` checks before device time)."""
     for name in args.kernels + args.host_profile:
@@ -185,7 +196,7 @@ def validate_args(ap, args):
             ap.error(f"{name} is not among --models ({' '.join(args.models)})")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
@@ -204,12 +215,26 @@ def main(argv=None):
                     help="also print a per-kernel device-time breakdown (torch.profiler) of one step of these models")
     ap.add_argument("--host-profile", nargs="*", default=[], metavar="MODEL",
                     help="also print cProfile's table of one step of these models (host time by Python function)")
+    ap.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                    help="first run each model of ours that launches Triton kernels (nystrom*, not -reference) for "
+                         "one step of a one-layer model, untimed, in a process of its own, N at a time: every layer "
+                         "launches the same kernels, which then load from Triton's cache instead of compiling one "
+                         "at a time (default 8 on CUDA; 0 on the CPU: the interpreter compiles nothing)")
     ap.add_argument("--host-profile-only", default=None, metavar="REGEX",
                     help="only the profile's rows whose file:line(function) matches, e.g. nystromformer/ for our "
                          "own code (on the CPU under TRITON_INTERPRET=1 the interpreter's rows hide it)")
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     validate_args(ap, args)
     device = torch.device(args.device)
+    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
+    compiled = [name for name in args.models if name.startswith("nystrom") and name != "nystrom-reference"]
+    if workers > 0 and compiled:
+        print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
     amp = device.type == "cuda"
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
                       attention_fp32=args.attention_fp32 == "true")

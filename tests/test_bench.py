@@ -530,3 +530,26 @@ def test_compiling_first_runs_every_piece_and_counts_the_failed_and_the_stopped(
                        dict(os.environ), workers=2, timeout=2)
     assert line.startswith("# compiled first: 4 processes untimed, 2 at a time, in ")
     assert line.endswith("s (1 failed, 1 stopped at 2 s)")
+
+
+def test_model_speed_runs_each_model_with_triton_kernels_first_for_one_untimed_step_of_one_layer():
+    # On the CPU without the interpreter the fast path runs PyTorch ops: the mechanism, not the compiles
+    lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "128", "--batch", "2", "--layers",
+                       "2", "--steps", "1", "--warmup", "1", "--models", "nystrom", "nystrom-reference", "softmax",
+                       "--compile-workers", "2", NYSTROM_IMPL="fast")
+    assert lines[0].startswith("# compiled first: 1 process untimed, 2 at a time, in ")  # nystrom's alone
+    assert "failed" not in lines[0] and "stopped" not in lines[0]
+    assert [r[0] for r in table_rows(lines[1:])] == ["nystrom", "nystrom-reference", "softmax"]
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import model_speed
+    parser = model_speed.build_parser()
+    args = parser.parse_args(["--device", "cpu", "--seq-len", "96", "--batch", "3", "--layers", "4",
+                              "--attention-fp32", "false", "--padding-mask", "--compile", "reduce-overhead"])
+    child = parser.parse_args(model_speed.untimed_argv(args, "nystrom-all")[2:])
+    # what decides the kernels a layer launches is repeated; what only times, profiles or compiles the graph is not
+    timing_only = {"models", "layers", "warmup", "steps", "compile", "compile_workers", "kernels", "host_profile",
+                   "host_profile_only"}
+    for option in set(vars(args)) - timing_only:
+        assert getattr(child, option) == getattr(args, option), option
+    assert (child.models, child.layers, child.compile, child.compile_workers) == (["nystrom-all"], 1, "none", 0)
