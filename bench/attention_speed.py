@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
-from compile_first import run_untimed  # noqa: E402
+from compile_first import run_untimed, workers_for  # noqa: E402
 
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
@@ -309,7 +309,7 @@ def main(argv=None):
         ap.error("--graphs needs a CUDA device (CUDA graphs)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
-    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
+    workers = workers_for(args.compile_workers, device.type)
     compiled = [name for name in dict.fromkeys(args.impls + (args.kernels or [])) if "triton" in name]
     if workers > 0 and compiled:  # one process an implementation: its lengths share kernels, compiled once
         print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)

@@ -7,6 +7,14 @@ import concurrent.futures
 import subprocess
 import time
 
+DEFAULT_WORKERS = 8  # processes at a time on a GPU machine (16 cores there); each child ~2-3 GB of GPU memory
+
+
+def workers_for(requested: int | None, device_type: str) -> int:
+    """``--compile-workers``: as asked, else DEFAULT_WORKERS on CUDA and 0 elsewhere (Triton's interpreter on the
+    CPU compiles nothing)."""
+    return requested if requested is not None else DEFAULT_WORKERS if device_type == "cuda" else 0
+
 
 def run_untimed(commands: list[list[str]], env: dict, workers: int, timeout: float = 240) -> str:
     """Runs ``commands`` ``workers`` at a time, output dropped, each stopped after ``timeout`` seconds (a hung

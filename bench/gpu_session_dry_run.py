@@ -12,9 +12,8 @@ seconds, not on the device's 30 minutes.
 A command's ``env K=V`` settings reach it as they would on the device.
 
 Each prints one line on stderr, ``dry run ok: …`` or ``dry run FAILED: …`` after the tool's own message, and exits
-0 or 1.
-Only a script's module level and its ``main`` up to ``parse_args`` run: every bench script parses its arguments
-before it does anything else.
+0 or 1. Only a script's module level and its ``main`` up to ``parse_args`` run: every bench script parses its
+arguments before it does anything else.
 """
 import argparse
 import runpy

@@ -17,11 +17,11 @@ Each wrapper runs in a process of its own, for every length (each setting compil
 Triton compiles wrong can fault and take the CUDA context with it — that wrapper's rows say so, the others still
 run. On CUDA every wrapper's process first runs once untimed, 8 at a time (`--compile-workers`,
 bench/compile_first.py): the sweep is compile-bound, and the timed processes, one at a time, then load the
-kernels from Triton's cache. One table, a wrapper's rows printed as its process ends (a run cut off keeps them): wrapper, n, setting,
-what its first kernel was launched with (after the wrapper's clamps to n), programs launched, median ms (CUDA
-events), × the chosen setting's time, relative difference of the outputs. A setting faster than the chosen one
-by more than the noise is a candidate for the wrapper's default — after the GPU tests pass with it
-(`bash bench/gpu_session.sh check` with the default changed).
+kernels from Triton's cache. One table, a wrapper's rows printed as its process ends (a run cut off keeps them):
+wrapper, n, setting, what its first kernel was launched with (after the wrapper's clamps to n), programs
+launched, median ms (CUDA events), × the chosen setting's time, relative difference of the outputs. A setting
+faster than the chosen one by more than the noise is a candidate for the wrapper's default — after the GPU tests
+pass with it (`bash bench/gpu_session.sh check` with the default changed).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from compile_first import run_untimed
+from compile_first import run_untimed, workers_for
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the first kernel of a wrapper's call was launched with: rows a tile (BLOCK_N, or BLOCK_K for pass 1's key
@@ -250,7 +250,7 @@ def main(argv=None):
           + (" (Triton's interpreter: the times mean nothing, the differences do)" if args.device == "cpu" else "")
           + (f"; NYSTROM_LAUNCH_SETTINGS={ignored} not used: the sweep starts from the code's own settings"
              if ignored else ""))
-    workers = args.compile_workers if args.compile_workers is not None else 8 if args.device == "cuda" else 0
+    workers = workers_for(args.compile_workers, args.device)
     if workers > 0:  # every wrapper's process once, untimed (compile_first.py)
         untimed = argparse.Namespace(**{**vars(args), "repeat": 1})
         print(run_untimed([child_argv(untimed, wrapper) for wrapper in args.wrappers], env, workers), flush=True)

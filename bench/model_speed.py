@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
-from compile_first import run_untimed  # noqa: E402
+from compile_first import run_untimed, workers_for  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap", "nystrom-all-recompute"]
@@ -231,7 +231,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     validate_args(ap, args)
     device = torch.device(args.device)
-    workers = args.compile_workers if args.compile_workers is not None else 8 if device.type == "cuda" else 0
+    workers = workers_for(args.compile_workers, device.type)
     compiled = [name for name in args.models if name.startswith("nystrom") and name != "nystrom-reference"]
     if workers > 0 and compiled:
         print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
