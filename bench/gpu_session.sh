@@ -33,9 +33,14 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 RESULTS=${RESULTS:-/tmp/gpu-results}
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python=${PYTHON:-python3}
 [ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
 dry_run=; case ${DRY_RUN:-0} in 0|"") ;; *) dry_run=1 ;; esac
+# The device's python3 has torch; here a dry run uses `make setup`'s environment unless PYTHON names another
+python=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ -n "$dry_run" ] && [ -x .venv/bin/python ]; then python=$PWD/.venv/bin/python; fi
+"$python" -c 'import torch' 2> /dev/null || {
+  echo "gpu_session.sh: $python cannot import torch: run \`make setup\` or set PYTHON to an interpreter that can" >&2
+  exit 2; }
 # The GPU tests in GPU_TEST_WORKERS processes (default 8; 0: one) where pytest-xdist is installed (the image has
 # it): they are compile-bound (Triton compiles each kernel variant at its first launch, one at a time in a
 # process; 142 tests took 192 s on 2026-11-23) and share the one GPU only for small fp64-checked shapes.

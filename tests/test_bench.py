@@ -454,6 +454,28 @@ def test_gpu_session_dry_run_passes_what_the_device_would_run_and_runs_no_device
     assert not (tmp_path / "x").exists()
 
 
+def test_gpu_session_without_an_interpreter_that_has_torch_stops_at_once_naming_it(tmp_path):
+    env = dict(os.environ, PYTHON="/bin/true-but-not-python", TMPDIR=str(tmp_path))
+    for dry_run in ("1", "0"):
+        proc = subprocess.run(["bash", "bench/gpu_session.sh", "check"], cwd=REPO, capture_output=True, text=True,
+                              env=dict(env, DRY_RUN=dry_run), timeout=60)
+        assert proc.returncode == 2 and "=== stage" not in proc.stdout
+        assert "/bin/true-but-not-python cannot import torch: run `make setup`" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.skipif(not (REPO / ".venv" / "bin" / "python").exists(), reason="no `make setup` environment (.venv)")
+def test_a_dry_run_without_python_set_uses_make_setups_environment(tmp_path):
+    # the documented `DRY_RUN=1 bash bench/gpu_session.sh …` works without activating .venv
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env.update(DRY_RUN="1", TMPDIR=str(tmp_path), PATH="/usr/bin:/bin", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", "tuned"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wrapper, = tmp_path.glob("gpu-session-dry-run.*/python")
+    assert str(REPO / ".venv" / "bin" / "python") in wrapper.read_text()
+
+
 def dry_run_pytest_commands(tmp_path: Path, stage: str, **env_vars: str) -> list[str]:
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), **env_vars)
     proc = subprocess.run(["bash", "bench/gpu_session.sh", stage], cwd=REPO, env=env, capture_output=True,
