@@ -703,6 +703,35 @@ def test_gpu_auto_dispatch_uses_fast_path_and_memory_is_linear():
     assert peaks[1] < 5 * peaks[0], peaks   # 4× the tokens: linear would be 4×; quadratic 16×
 
 
+# ATen operators that read a tensor's values back to the host on CUDA: each a synchronization (the device idles
+# while the host catches up) and an error inside a CUDA graph's capture
+HOST_READS = {"_local_scalar_dense", "item", "bincount", "nonzero", "masked_select", "unique", "_unique2",
+              "repeat_interleave", "to_dense"}
+
+
+@pytest.mark.parametrize("n", [1000, 1024])
+def test_the_pytorch_path_reads_nothing_back_to_the_host_with_padding_and_uneven_segments(n):
+    # The CUDA path without Triton (NYSTROM_TRITON=0) runs these operators; recorded on the CPU, forward and
+    # backward. n = 1,000 is not a multiple of 64 landmarks: the uneven segment means (their lengths once came
+    # from bincount, which reads its input's largest value back).
+    from torch.utils._python_dispatch import TorchDispatchMode
+    ran = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    att = layer(64, 33, dtype=torch.float32)
+    (q, k, v), mask = inputs(2, n, dtype=torch.float32, pad=(0, 137))
+    params = [q, k, v, att.conv.weight]
+    with Record():
+        out = nystrom_fast.forward(q, k, v, mask, num_landmarks=64, conv_weight=att.conv.weight, use_triton=False)
+        torch.autograd.grad(out, params, torch.ones_like(out))
+    assert bool(ran & {"index_add", "index_add_"}) == (n % 64 != 0)   # the uneven segments: their own path
+    assert not ran & HOST_READS, ran & HOST_READS
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("impl,dtype", [("triton-all", torch.bfloat16), ("triton-all", torch.float32),

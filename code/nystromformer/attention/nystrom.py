@@ -33,7 +33,10 @@ def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
     if n % num_segments == 0:
         return x.reshape(*x.shape[:-2], num_segments, n // num_segments, x.shape[-1]).mean(dim=-2)
     seg_id = torch.arange(n, device=x.device) * num_segments // n
-    counts = torch.bincount(seg_id, minlength=num_segments).to(x.dtype)
+    # segment i is [ceil(i·n/m), ceil((i+1)·n/m)): its length by arithmetic, not bincount, which reads values back
+    # to the host on CUDA (a synchronization, and no CUDA-graph capture)
+    starts = (torch.arange(num_segments + 1, device=x.device) * n + num_segments - 1) // num_segments
+    counts = starts.diff().to(x.dtype)
     sums = x.new_zeros(*x.shape[:-2], num_segments, x.shape[-1]).index_add_(-2, seg_id, x)
     return sums / counts[:, None]
 
