@@ -59,6 +59,7 @@ from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
 from compile_first import run_untimed, workers_for  # noqa: E402
+from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
          "fast-triton-all-fp32", "fast-triton-overlap", "fast-triton-all-overlap"]
@@ -199,7 +200,7 @@ def run_with_switches(name, layer, b, n, args, device, flush):
     if device.type == "cuda":
         busy_ms = max(HOST_BUSY_MS, 4 * statistics.median(times))
         # half the repeats (at least 3): each one waits out its sleep, and the column only has to tell host from device
-        host = (time_host(fn, (q, k, v, mask), grad, params, max(3, args.repeat // 2), busy_ms), busy_ms)
+        host = time_host(fn, (q, k, v, mask), grad, params, max(3, args.repeat // 2), busy_ms)
     graphed = None
     if args.graphs and device.type == "cuda":
         graphed = time_graphed(fn, (q, k, v, mask), grad, params, flush, args.repeat)
@@ -220,24 +221,28 @@ def sleep_cycles(ms):
     if not _CYCLES_PER_MS:
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(20_000_000)  # untimed first: an idle GPU raises its clock as it goes
         s.record(); torch.cuda._sleep(10_000_000); e.record(); torch.cuda.synchronize()
         _CYCLES_PER_MS.append(10_000_000 / s.elapsed_time(e))
     return int(ms * _CYCLES_PER_MS[0])
 
 
 def time_host(fn, args, grad, params, repeat, busy_ms):
-    """Median ms the host takes to issue one forward+backward behind ``busy_ms`` of queued device sleep: the host's
-    own time per pass, with no launch waiting for the device. A pass that synchronizes waits out the sleep, so a
-    figure of about ``busy_ms`` or more means the host waited for the device."""
-    cycles, times = sleep_cycles(busy_ms), []
+    """(median ms the host takes to issue one forward+backward behind about ``busy_ms`` of queued device sleep,
+    median ms the sleep took, timed by CUDA events): the host's own time per pass, with no launch waiting for the
+    device. A pass that synchronizes waits out the sleep, so a first figure near the second or above it means the
+    host waited for the device (the second measured, not assumed: the clock the sleep counts can change)."""
+    cycles, times, slept = sleep_cycles(busy_ms), [], []
     for _ in range(repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch.cuda._sleep(cycles)
+        s.record(); torch.cuda._sleep(cycles); e.record()
         t = time.perf_counter()
         torch.autograd.grad(fn(*args), params, grad)
         times.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+        torch.cuda.synchronize()
+        slept.append(s.elapsed_time(e))
+    return statistics.median(times), statistics.median(slept)
 
 
 def time_graphed(fn, args, grad, params, flush, repeat):
@@ -304,6 +309,7 @@ def untimed_argv(args, name: str) -> list[str]:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    stop_on_sigterm()
     device = torch.device(args.device)
     if args.graphs and device.type != "cuda":
         ap.error("--graphs needs a CUDA device (CUDA graphs)")
@@ -313,7 +319,11 @@ def main(argv=None):
     compiled = [name for name in dict.fromkeys(args.impls + (args.kernels or [])) if "triton" in name]
     if workers > 0 and compiled:  # one process an implementation: its lengths share kernels, compiled once
         print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
-    run_table(args, device)
+    stopped, failures = run_table(args, device)
+    if stopped:
+        sys.exit(STOPPED_STATUS)
+    if failures:
+        sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -347,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def run_table(args, device: torch.device) -> None:
+def run_table(args, device: torch.device) -> tuple[bool, list[str]]:
+    """Prints the table (and writes --csv, --plot) of the rows measured; (stopped early, failed rows)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig(num_head=args.heads, head_dim=args.head_dim, transformer_dim=args.heads * args.head_dim,
                       num_landmarks=args.landmarks, conv_kernel_size=args.conv or None, inv_coeff_init_option=args.init)
@@ -355,21 +366,54 @@ def run_table(args, device: torch.device) -> None:
     layer = build_attention(cfg).to(device)
     bandwidth = measure_bandwidth(device)
     flush = torch.empty(64 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-    rows, graph_errors, host_waits = [], [], []
+    rows, graph_errors, host_waits, failures, stopped = [], [], [], [], None
+    measuring = ["the setup"]
+    try:
+        measure_rows(args, device, layer, bandwidth, flush, rows, graph_errors, host_waits, failures, measuring)
+    except KeyboardInterrupt:
+        stopped = measuring[0]
+    print_table(args, device, bandwidth, rows, graph_errors, host_waits, failures)
+    if stopped:
+        print(stopped_note(stopped))
+    elif args.kernels:
+        try:
+            for name in args.kernels:
+                for n in args.lengths:
+                    print(f"\n# kernels of {name}, n={n}, batch={max(1, args.tokens // n)} (one fwd+bwd, self CUDA "
+                          "time)")
+                    print(kernel_breakdown(name, layer, max(1, args.tokens // n), n, args, device))
+        except KeyboardInterrupt:
+            stopped = "the kernel breakdowns"
+            print(stopped_note(stopped))
+    if rows:
+        write_csv_and_plot(args, device, rows)
+    return bool(stopped), failures
+
+
+def measure_rows(args, device, layer, bandwidth, flush, rows, graph_errors, host_waits, failures,
+                 measuring) -> None:
+    """Appends a row per (length, implementation) to ``rows`` as it is measured, so a stop keeps them;
+    ``measuring[0]`` names the row under way."""
     for n in args.lengths:
         b = max(1, args.tokens // n)
         sdpa_ms = sdpa_graph_ms = None
         for name in args.impls:
+            measuring[0] = f"{name} at n = {n}"
             try:
                 ms, peak, err, graphed, host = run(name, layer, b, n, args, device, flush)
             except torch.OutOfMemoryError:
                 ms = peak = err = graphed = host = None
                 torch.cuda.empty_cache()
+            except Exception as error:  # noqa: BLE001 — named under the table; the other rows still measured
+                failures.append(failure(f"{name} at n = {n}", error))
+                ms = peak = err = graphed = host = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             host_ms = None
             if host is not None:
-                host_ms, busy_ms = host
-                if host_ms >= 0.9 * busy_ms:
-                    host_waits.append(f"{name} at n = {n}: {host_ms:.1f} ms behind {busy_ms:.1f} ms of device sleep")
+                host_ms, slept_ms = host
+                if host_ms >= 0.9 * slept_ms:
+                    host_waits.append(f"{name} at n = {n}: {host_ms:.1f} ms behind {slept_ms:.1f} ms of device sleep")
             if isinstance(graphed, str):
                 graph_errors.append(f"{name} at n = {n}: {graphed}")
                 graphed = None
@@ -385,6 +429,9 @@ def run_table(args, device: torch.device) -> None:
                                                             else None),
                            graph_x_floor=(graphed / floor_ms if graphed and floor_ms else None))
             rows.append(row)
+
+
+def print_table(args, device, bandwidth, rows, graph_errors, host_waits, failures) -> None:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# attention fwd+bwd, {args.tokens} tokens/batch, h={args.heads}, d={args.head_dim}, m={args.landmarks}, "
           f"conv={args.conv}, pad={args.pad}, device={dev}, torch {torch.__version__}"
@@ -403,10 +450,13 @@ def run_table(args, device: torch.device) -> None:
         print(f"\nCUDA graph not captured: {note}")
     for note in host_waits:
         print(f"\nThe host waited for the device (a synchronization inside forward+backward): {note}")
-    for name in args.kernels or []:
-        for n in args.lengths:
-            print(f"\n# kernels of {name}, n={n}, batch={max(1, args.tokens // n)} (one fwd+bwd, self CUDA time)")
-            print(kernel_breakdown(name, layer, max(1, args.tokens // n), n, args, device))
+    for note in failures:
+        print(f"\nFailed (its row is n/a): {note}")
+    sys.stdout.flush()
+
+
+def write_csv_and_plot(args, device, rows) -> None:
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))

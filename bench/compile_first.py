@@ -5,7 +5,10 @@ time: their compiles land in Triton's on-disk cache (each file written under a t
 processes can share it), and the timed runs after them load the kernels from it instead of compiling."""
 import concurrent.futures
 import subprocess
+import sys
 import time
+
+from time_limit import STOPPED_STATUS, stopped_note
 
 DEFAULT_WORKERS = 8  # processes at a time on a GPU machine (16 cores there); each child ~2-3 GB of GPU memory
 
@@ -20,18 +23,32 @@ def run_untimed(commands: list[list[str]], env: dict, workers: int, timeout: flo
     """Runs ``commands`` ``workers`` at a time, output dropped, each stopped after ``timeout`` seconds (a hung
     piece must not eat the time its timed run needs); one line saying what ran, how long it took, and how many
     failed or were stopped. Those only cost time: their timed runs compile what they still need, and fail again,
-    saying why, where they failed here."""
+    saying why, where they failed here. Stopped itself (SIGTERM from a time limit, see time_limit.py, or Ctrl-C),
+    it kills its pieces, says so and exits: the benchmark has no rows yet."""
     start = time.perf_counter()
+    running = set()
 
     def run(command: list[str]) -> str:
-        try:
-            status = subprocess.run(command, env=env, capture_output=True, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return "stopped"
-        return "ok" if status == 0 else "failed"
+        with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+            running.add(proc)
+            try:
+                return "ok" if proc.wait(timeout) == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                return "stopped"
+            finally:
+                running.discard(proc)
 
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    try:
         outcomes = list(pool.map(run, commands))
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(running):
+            proc.kill()
+        print(stopped_note("the untimed compile pass"), flush=True)
+        sys.exit(STOPPED_STATUS)
+    pool.shutdown()
     trouble = [f"{outcomes.count(o)} {o}" + (f" at {timeout:.0f} s" if o == "stopped" else "")
                for o in ("failed", "stopped") if o in outcomes]
     plural = "" if len(commands) == 1 else "es"

@@ -44,9 +44,13 @@ if [ -z "${PYTHON:-}" ] && [ -n "$dry_run" ] && [ -x .venv/bin/python ]; then py
 # The GPU tests in GPU_TEST_WORKERS processes (default 8; 0: one) where pytest-xdist is installed (the image has
 # it): they are compile-bound (Triton compiles each kernel variant at its first launch, one at a time in a
 # process; 142 tests took 192 s on 2026-11-23) and share the one GPU only for small fp64-checked shapes.
+# A GPU in an exclusive compute mode takes one process: then one.
 workers=()
 if [ "${GPU_TEST_WORKERS:-8}" != 0 ] && "$python" -c 'import xdist' 2> /dev/null; then
   workers=(-p xdist -n "${GPU_TEST_WORKERS:-8}"); fi
+if [ ${#workers[@]} -gt 0 ] && [ -z "$dry_run" ] && command -v nvidia-smi > /dev/null \
+    && ! nvidia-smi --query-gpu=compute_mode --format=csv,noheader | grep -qx Default; then
+  echo "=== the GPU is not in the Default compute mode: the GPU tests run in one process" >&2; workers=(); fi
 if [ -n "$dry_run" ]; then
   # Each command goes to bench/gpu_session_dry_run.py, which checks its arguments (a script's argparse, pytest's
   # collection) and runs nothing; results and the log go to a temporary folder, and an empty settings file stands
@@ -60,14 +64,17 @@ if [ -n "$dry_run" ]; then
 fi
 mkdir -p "$OUT" "$RESULTS"
 limit=${STAGE_LIMIT:-300}
-# The device tool stops a call at 600 s: every command gets at most what is left of SESSION_LIMIT (default 570 s
-# from the start), so the last stage ends on its own and its table is written, rather than being cut off unseen.
+# The device tool stops a call at 600 s (or sooner, when less device time is left: set SESSION_LIMIT below what
+# is left): every command gets at most what is left of SESSION_LIMIT (default 570 s from the start), so the last
+# stage ends on its own and its results are packed, rather than being cut off unseen. At its limit a command gets
+# SIGTERM, on which the benchmarks print the rows they measured (bench/time_limit.py), and SIGKILL 20 s later.
 session_end=$(( $(date +%s) + ${SESSION_LIMIT:-570} ))
 limited() {
   if [ -n "$dry_run" ]; then "$@"; return; fi  # a check is seconds: no limit skips or cuts one off
-  local left=$(( session_end - $(date +%s) ))
-  if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*"; return 124; fi
-  timeout "$(( left < limit ? left : limit ))" "$@"
+  local left=$(( session_end - $(date +%s) - 20 ))
+  # (on stderr: into the session log, also where the command's output goes to a results file)
+  if [ "$left" -lt 30 ]; then echo "=== skipped, ${left}s of SESSION_LIMIT left: $*" >&2; return 124; fi
+  timeout -k 20 "$(( left < limit ? left : limit ))" "$@"
 }
 exec > >(tee -a "$OUT/session.log") 2>&1
 
@@ -75,12 +82,11 @@ stage_check() {
   local d=$RESULTS/check; mkdir -p "$d"
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
-  # The interpreter and sm_90-compile tests are CPU work that CI runs anyway: not on device time here.
-  limited "$python" -m pytest -q -rs -x -p no:cacheprovider ${workers[@]+"${workers[@]}"} tests/test_nystrom_fast.py \
-    tests/test_attention.py \
-    tests/test_model.py tests/test_pretrain.py::test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss \
-    --deselect tests/test_nystrom_fast.py::test_triton_kernels_under_interpreter \
-    --deselect tests/test_nystrom_fast.py::test_every_kernel_compiles_for_hopper_within_its_shared_memory \
+  # Only the tests marked gpu: the CPU tests (the interpreter's, the sm_90 compiles, test_attention.py's and
+  # test_model.py's) are CI's work, and under -x one of them failing on the device's torch would stop the rest.
+  limited "$python" -m pytest -q -rs -x -p no:cacheprovider ${workers[@]+"${workers[@]}"} -m gpu \
+    tests/test_nystrom_fast.py \
+    tests/test_pretrain.py::test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss \
     2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
   # alone: it times a device sleep, which other processes' kernels on the GPU would shorten or stretch
   limited "$python" -m pytest -q -rs -p no:cacheprovider \
@@ -139,8 +145,12 @@ stage_settings_fp32() {
 stage_tuned() {
   # the settings stage's best.json in force (NYSTROM_LAUNCH_SETTINGS): the GPU tests of the fast path first, then
   # the attention table (eager and CUDA graph) and the bf16 training step at 512, to set beside the chosen ones'
-  local d=$RESULTS/tuned best=$RESULTS/settings/best.json; mkdir -p "$d"
-  [ -s "$best" ] || { echo "=== tuned: no $best (run the settings stage first)"; return 1; }
+  # BEST: a settings file from an earlier call (the machine may be a fresh one: carry the file, see
+  # docs/performance.md), else this machine's settings stage's
+  local d=$RESULTS/tuned best=${BEST:-$RESULTS/settings/best.json}; mkdir -p "$d"
+  [ -s "$best" ] || { echo "=== tuned: no $best (run the settings stage first, or set BEST)"; return 1; }
+  "$python" -c 'import json, sys; sys.exit(not any(json.load(open(sys.argv[1])).values()))' "$best" || {
+    echo "=== tuned: $best chose no setting (every wrapper keeps its own): nothing to time"; return 1; }
   cp "$best" "$d/best.json"
   limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" -m pytest -q -rs -x -p no:cacheprovider \
     ${workers[@]+"${workers[@]}"} tests/test_nystrom_fast.py -m gpu 2>&1 | tee "$d/gpu-tests.txt" | tail -n 5
@@ -229,8 +239,10 @@ for stage in "$@"; do
     echo "unknown stage $stage" >&2; [ -z "$dry_run" ] || echo "stage $stage" >> "$RESULTS/dry-run-failed"
   elif [ -n "$dry_run" ]; then "stage_$stage"  # judged by its commands' checks (a grep of a table finds none)
   else "stage_$stage" || echo "=== stage $stage FAILED ($?)"; fi
-  # after every stage: a command cut off at its limit keeps these
-  [ -n "$dry_run" ] || tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" .
+  # after every stage: a command cut off at its limit keeps these (written whole, then renamed: a call killed
+  # while packing keeps the previous stage's archive)
+  [ -n "$dry_run" ] || { tar czf "$OUT/.gpu-results.tgz.tmp" -C "$RESULTS" . && mv "$OUT/.gpu-results.tgz.tmp" \
+    "$OUT/gpu-results.tgz"; }
 done
 echo "=== done $(date -u +%T)"
 if [ -n "$dry_run" ]; then

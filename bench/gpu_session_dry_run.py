@@ -4,8 +4,8 @@ seconds, not on the device's 30 minutes.
 
     python bench/X.py ARGS    the script's own argparse parses ARGS, then its ``validate_args(ap, args)`` when it
                               has one (checks between arguments); the script stops there
-    python -m pytest ARGS     pytest collects what ARGS select (``--collect-only``): every test named exists, every
-                              ``--deselect`` names a collected test, at least one test is selected
+    python -m pytest ARGS     pytest collects what ARGS select (``--collect-only``): every test named exists and is
+                              selected, every ``--deselect`` names a collected test, at least one test is selected
     python -m MODULE ARGS     as a script, for a module run as a program (``nystromformer.cli``)
     python -c CODE            not run (said so)
 
@@ -59,14 +59,19 @@ def check_program(label: str, run) -> bool:
 
 
 class _Collected:
-    """A pytest plugin that keeps every collected test's id, before ``-m`` / ``-k`` / ``--deselect`` remove any."""
+    """A pytest plugin that keeps every collected test's id, before ``-m`` / ``-k`` / ``--deselect`` remove any,
+    and the selected ones' after."""
 
     def __init__(self):
         self.ids: list[str] = []
+        self.selected: list[str] = []
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items):
         self.ids = [item.nodeid for item in items]
+
+    def pytest_collection_finish(self, session):
+        self.selected = [item.nodeid for item in session.items]
 
 
 def check_pytest(args: list[str]) -> bool:
@@ -81,6 +86,11 @@ def check_pytest(args: list[str]) -> bool:
     for wanted in deselected:  # pytest drops a --deselect that matches nothing without a word
         if not any(test.startswith(wanted) for test in collected.ids):  # pytest's own match: a prefix
             print(f"--deselect {wanted}: no such test was collected", file=sys.stderr)
+            good = False
+    named = [a for i, a in enumerate(args) if "::" in a and not a.startswith("-") and args[i - 1] != "--deselect"]
+    for test in named:  # a test named by its id and then left out by -m or -k: a mistake, not a choice
+        if not any(t == test or t.startswith(test + "[") for t in collected.selected):
+            print(f"{test}: named but not selected (by -m, -k or --deselect)", file=sys.stderr)
             good = False
     return good
 

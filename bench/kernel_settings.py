@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from compile_first import run_untimed, workers_for
+from time_limit import STOPPED_STATUS, stop_on_sigterm, stopped_note
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the first kernel of a wrapper's call was launched with: rows a tile (BLOCK_N, or BLOCK_K for pass 1's key
@@ -241,6 +242,7 @@ def main(argv=None):
         sys.path.insert(0, str(ROOT / "code"))
         print(json.dumps({n: sweep(args.child, args, n) for n in args.lengths}))
         return
+    stop_on_sigterm()
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {}))
     env.pop("NYSTROM_TRITON", None)
     # variations of the code's own settings: a settings file in force would shift some of them and not others
@@ -257,33 +259,18 @@ def main(argv=None):
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
     print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
     print("|---|---|---|---|---|---|---|---|")
-    swept = {}
-    for wrapper in args.wrappers:
-        proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
-        lines = proc.stdout.strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            failure = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
-            print(f"| {wrapper} | | (the process failed: {failure}) | | | | | |", flush=True)
-            continue
-        swept[wrapper] = json.loads(lines[-1])
-        for n, rows in swept[wrapper].items():
-            base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
-            for r in rows:
-                if "error" in r:
-                    print(f"| {wrapper} | {n} | {r['setting']} | failed: {r['error']} | | | | |")
-                    continue
-                ratio = f"{r['ms'] / base:.2f}" if base else "—"
-                used = " ".join(f"{k}={v}" for k, v in r["launched"].items())
-                print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
-                      f"{r['diff']:.1e} |")
-        sys.stdout.flush()
+    swept, stopped = {}, None
+    try:
+        for wrapper in args.wrappers:
+            stopped = f"{wrapper}'s sweep"
+            sweep_wrapper(wrapper, args, env, swept)
+            if args.best:  # after each wrapper: a sweep cut off at its time limit keeps the best found so far
+                write_best(Path(args.best), args.dtype, best_settings(swept, args.margin))
+        stopped = None
+    except KeyboardInterrupt:
+        pass  # stopped names the wrapper under way
     if args.best:
         best = best_settings(swept, args.margin)
-        path = Path(args.best)
-        # another dtype's section of an existing file is kept: sweep bf16, then --dtype fp32, into one file
-        kept = json.loads(path.read_text()) if path.exists() else {}
-        kept[args.dtype] = {w: o for w, (o, _) in best.items()}
-        path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
         print(f"\n# the fastest setting of each wrapper below {args.margin} × chosen (geometric mean over n = "
               f"{', '.join(map(str, args.lengths))}), written to {args.best} for NYSTROM_LAUNCH_SETTINGS "
               f"({args.dtype} inputs only):")
@@ -291,6 +278,41 @@ def main(argv=None):
             print(f"- {wrapper}: {setting_label(override)} ({score:.2f} × chosen)")
         if not best:
             print("- none: every wrapper keeps its chosen settings")
+    if stopped:
+        print(stopped_note(stopped) + " The settings file holds the best of the wrappers swept before it.")
+        sys.exit(STOPPED_STATUS)
+
+
+def write_best(path: Path, dtype: str, best: dict) -> None:
+    """``best`` as the ``dtype`` section of the settings file at ``path`` (its other sections kept: sweep bf16,
+    then --dtype fp32, into one file), written whole under a temporary name and renamed."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept[dtype] = {w: o for w, (o, _) in best.items()}
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    os.replace(temporary, path)
+
+
+def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> None:
+    """One wrapper's sweep in a process of its own; its rows printed as soon as it ends, and kept in ``swept``."""
+    proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        failure = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
+        print(f"| {wrapper} | | (the process failed: {failure}) | | | | | |", flush=True)
+        return
+    swept[wrapper] = json.loads(lines[-1])
+    for n, rows in swept[wrapper].items():
+        base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
+        for r in rows:
+            if "error" in r:
+                print(f"| {wrapper} | {n} | {r['setting']} | failed: {r['error']} | | | | |")
+                continue
+            ratio = f"{r['ms'] / base:.2f}" if base else "—"
+            used = " ".join(f"{k}={v}" for k, v in r["launched"].items())
+            print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
+                  f"{r['diff']:.1e} |")
+    sys.stdout.flush()
 
 
 def best_settings(swept: dict, margin: float, max_diff: float = 1e-2) -> dict:

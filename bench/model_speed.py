@@ -56,6 +56,7 @@ from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
 from compile_first import run_untimed, workers_for  # noqa: E402
+from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap", "nystrom-all-recompute"]
@@ -226,10 +227,49 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def measure(name: str, args, cfg: ModelConfig, device: torch.device, amp: bool):
+    """(tokens/s, peak MiB, step ms, device ms, host ms fwd/bwd/opt) of one model's training step, its kernel
+    breakdown and host profile (None unless asked for); None when the model cannot be built here."""
+    try:
+        torch.manual_seed(0)
+        model, is_hf = build(name, cfg, device)
+    except Exception as exc:  # transformers missing or incompatible
+        print(f"# {name}: skipped ({type(exc).__name__}: {exc})")
+        return None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if args.compile != "none" and not is_hf:
+        model.encoder.compile(mode=args.compile)
+    host_times = []
+    step = step_fn(model, is_hf, opt, device, amp, host_times)
+    data = [batch(cfg, args.batch, args.seq_len, device, seed=i, padding_mask=args.padding_mask) for i in range(2)]
+    # compiled: the first calls compile, record and warm up the CUDA graphs
+    for i in range(args.warmup if args.compile == "none" else max(args.warmup, 5)):
+        step(*data[i % 2])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    del host_times[:]
+    for i in range(args.steps):
+        t = time.perf_counter()
+        step(*data[i % 2])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    host = [statistics.median(part) * 1e3 for part in zip(*host_times)]
+    row = (args.batch * args.seq_len / statistics.median(times), peak, statistics.median(times) * 1e3,
+           device_ms(step, data[0], device), host)
+    breakdown = kernel_breakdown(step, data[0], device) if name in args.kernels else None
+    profile = host_profile(step, data[0], device, only=args.host_profile_only) if name in args.host_profile else None
+    return row, breakdown, profile
+
+
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
     validate_args(ap, args)
+    stop_on_sigterm()
     device = torch.device(args.device)
     workers = workers_for(args.compile_workers, device.type)
     compiled = [name for name in args.models if name.startswith("nystrom") and name != "nystrom-reference"]
@@ -240,55 +280,37 @@ def main(argv=None):
                       attention_fp32=args.attention_fp32 == "true")
     rows, breakdowns, profiles = {}, {}, {}
     caller = {key: os.environ[key] for key in SWITCHES if key in os.environ}  # the caller's, under every row's own
-    for name in args.models:
+    failures, stopped = [], None
+    try:
+        for name in args.models:
+            stopped = f"the {name} model"
+            for key in SWITCHES:
+                os.environ.pop(key, None)
+            os.environ.update(caller)
+            os.environ.update(ENV.get(name, {}))
+            try:
+                measured = measure(name, args, cfg, device, amp)
+            except torch.OutOfMemoryError:
+                measured = (None, None, None, None, None), None, None
+            except Exception as error:  # noqa: BLE001 — named under the table; the other models still measured
+                failures.append(failure(name, error))
+                measured = (None, None, None, None, None), None, None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if measured is None:
+                continue
+            rows[name], breakdown, profile = measured
+            if breakdown is not None:
+                breakdowns[name] = breakdown
+            if profile is not None:
+                profiles[name] = profile
+        stopped = None
+    except KeyboardInterrupt:
+        pass  # stopped names the model under way
+    finally:
         for key in SWITCHES:
             os.environ.pop(key, None)
         os.environ.update(caller)
-        os.environ.update(ENV.get(name, {}))
-        try:
-            torch.manual_seed(0)
-            model, is_hf = build(name, cfg, device)
-        except Exception as exc:  # transformers missing or incompatible
-            print(f"# {name}: skipped ({type(exc).__name__}: {exc})")
-            continue
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        if args.compile != "none" and not is_hf:
-            model.encoder.compile(mode=args.compile)
-        host_times = []
-        step = step_fn(model, is_hf, opt, device, amp, host_times)
-        data = [batch(cfg, args.batch, args.seq_len, device, seed=i, padding_mask=args.padding_mask)
-                for i in range(2)]
-        try:
-            # compiled: the first calls compile, record and warm up the CUDA graphs
-            for i in range(args.warmup if args.compile == "none" else max(args.warmup, 5)):
-                step(*data[i % 2])
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            times = []
-            del host_times[:]
-            for i in range(args.steps):
-                t = time.perf_counter()
-                step(*data[i % 2])
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-            host = [statistics.median(part) * 1e3 for part in zip(*host_times)]
-            rows[name] = (args.batch * args.seq_len / statistics.median(times), peak,
-                          statistics.median(times) * 1e3, device_ms(step, data[0], device), host)
-            if name in args.kernels:
-                breakdowns[name] = kernel_breakdown(step, data[0], device)
-            if name in args.host_profile:
-                profiles[name] = host_profile(step, data[0], device, only=args.host_profile_only)
-        except torch.OutOfMemoryError:
-            rows[name] = (None, None, None, None, None)
-        del model, opt
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    for key in SWITCHES:
-        os.environ.pop(key, None)
-    os.environ.update(caller)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
           f"attention_fp32={args.attention_fp32}, compile={args.compile}, padding_mask={args.padding_mask}, "
@@ -307,6 +329,13 @@ def main(argv=None):
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
     for name, table in profiles.items():
         print(f"\n# host time of one {name} training step by Python function (cProfile, tottime)\n{table}")
+    for note in failures:
+        print(f"\nFailed (its row is n/a): {note}")
+    if stopped:
+        print(stopped_note(stopped))
+        sys.exit(STOPPED_STATUS)
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

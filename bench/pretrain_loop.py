@@ -38,6 +38,7 @@ from model_speed import batch, build, step_fn  # noqa: E402
 from nystromformer import jsonlog, shards  # noqa: E402
 from nystromformer.config import COMPILE_MODES, load_config  # noqa: E402
 from nystromformer.pretrain import LOG_NAME, pretrain  # noqa: E402
+from time_limit import STOPPED_STATUS, stop_on_sigterm, stopped_note  # noqa: E402
 
 SPECIAL = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 50264}  # RoBERTa's ids
 MODELS = ("nystrom", "softmax")
@@ -70,7 +71,9 @@ def model_folder(root: Path, attn_type: str, args) -> Path:
 
 def loop_tokens_per_s(folder: Path, device: str, warmup: int) -> float:
     cfg = load_config(folder)
-    assert pretrain(cfg, device=device, show_progress=False) == 0
+    status = pretrain(cfg, device=device, show_progress=False)
+    if status != 0:  # pretrain's own SIGTERM/Ctrl-C handling finished its step and stopped: so does the table
+        raise KeyboardInterrupt(f"pretrain stopped with status {status}")
     steps = [e for e in jsonlog.read(cfg.checkpoint_dir / LOG_NAME) if e.get("type") == "train"]
     return statistics.median(e["tokens_per_s"] for e in steps if e["step"] > warmup)
 
@@ -122,21 +125,28 @@ def main(argv=None):
                          "issue's SDPA baseline; nystrom-512/config.json has true)")
     args = ap.parse_args(argv)
     validate_args(ap, args)
+    stop_on_sigterm()
     device = torch.device(args.device)
-    rows = {}
+    rows, stopped = {}, None
     with tempfile.TemporaryDirectory(prefix="pretrain-loop-") as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
         vocab = json.loads((REPO / "nystrom-512" / "config.json").read_text())["model"]["vocab_size"]
         args.steps += args.warmup  # the loop's epoch covers both
         write_random_shards(root / "data", args.seq_len, vocab, args.steps * args.batch)
-        for name in MODELS:
-            folder = model_folder(root, name, args)
-            loop = loop_tokens_per_s(folder, args.device, args.warmup)
-            bare = bare_tokens_per_s(folder, device, args.warmup, args.steps - args.warmup, args.compile)
-            rows[name] = loop, bare
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        try:
+            for name in MODELS:
+                stopped = f"the {name} model's loop"
+                folder = model_folder(root, name, args)
+                loop = loop_tokens_per_s(folder, args.device, args.warmup)
+                stopped = f"the {name} model's bare step"
+                bare = bare_tokens_per_s(folder, device, args.warmup, args.steps - args.warmup, args.compile)
+                rows[name] = loop, bare
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            stopped = None
+        except KeyboardInterrupt:
+            pass  # stopped names the run under way
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     passes = f", passes of {args.rows_per_pass}" if args.rows_per_pass else ""
     print(f"# pretraining loop vs bare step, n={args.seq_len}, batch={args.batch} (loop: micro-batches of "
@@ -145,10 +155,14 @@ def main(argv=None):
           f"device={dev}, torch {torch.__version__}")
     print("| model | loop tokens/s | bare tokens/s | loop ÷ bare | loop × softmax | bare × softmax |")
     print("|---|---|---|---|---|---|")
-    soft_loop, soft_bare = rows["softmax"]
+    soft_loop, soft_bare = rows.get("softmax", (None, None))
+    ratio = lambda a, b: "n/a" if b is None else f"{a / b:.2f}"  # noqa: E731
     for name, (loop, bare) in rows.items():
-        print(f"| {name} | {loop:.0f} | {bare:.0f} | {loop / bare:.2f} | {loop / soft_loop:.2f} | "
-              f"{bare / soft_bare:.2f} |")
+        print(f"| {name} | {loop:.0f} | {bare:.0f} | {loop / bare:.2f} | {ratio(loop, soft_loop)} | "
+              f"{ratio(bare, soft_bare)} |")
+    if stopped:
+        print(stopped_note(stopped))
+        sys.exit(STOPPED_STATUS)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ CPU rows (no CUDA events; pinv_speed's Triton rows under the interpreter); the f
 """
 import functools
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,11 @@ def test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_
     import attention_speed as a
     x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     grad = torch.ones_like(x)
-    free = a.time_host(lambda t: t * 2, (x,), grad, [x], repeat=5, busy_ms=50.0)
-    synced = a.time_host(lambda t: t * float(t.sum()), (x,), grad, [x], repeat=5, busy_ms=50.0)
+    free, slept = a.time_host(lambda t: t * 2, (x,), grad, [x], repeat=5, busy_ms=50.0)
+    synced, slept_synced = a.time_host(lambda t: t * float(t.sum()), (x,), grad, [x], repeat=5, busy_ms=50.0)
+    assert 25.0 < slept < 100.0 and 25.0 < slept_synced < 100.0, (slept, slept_synced)  # about what was asked
     assert free < 10.0, free
-    assert synced >= 0.9 * 50.0, synced
+    assert synced >= 0.9 * slept_synced, (synced, slept_synced)
 
 
 def test_attention_speeds_one_node_variants_run_what_they_name_and_restore_the_switches():
@@ -112,6 +115,132 @@ print(str(calls).replace(" ", ""), kept, nt.CONV_IN_PASS_2, nt.CONV_BACKWARD_ONE
     assert kept == "[4,4,4,0]", lines[-1]   # Q̃, K̃, W, Z·W kept, or none
     assert switch == "True" and one_pass == "8" and recompute == "None", lines[-1]
     assert float(diff) < 1e-5 and float(gdiff) < 1e-4, lines[-1]
+
+
+def run_injected(script: str, patch: str, *args: str, **env_vars: str) -> subprocess.CompletedProcess:
+    """bench/<script>.py run for real, with a fault injected first: ``patch`` is Python run after the script is
+    imported as ``module`` (and os, signal, sys), before its main()."""
+    code = (f"import os, signal, sys\nsys.path.insert(0, 'bench')\nsys.argv = ['bench/{script}.py', *{list(args)!r}]\n"
+            f"import {script} as module\n{patch}\nmodule.main()\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_vars)
+    env.pop("NYSTROM_TRITON", None)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+# gpu_session.sh stops a command at its time limit with SIGTERM (bench/time_limit.py): sent here by the script to
+# itself as the third row starts
+SIGTERM_AT_THIRD_CALL = """
+real, calls = module.{name}, []
+def {name}(*args, **kwargs):
+    calls.append(args)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, **kwargs)
+module.{name} = {name}
+"""
+ATTENTION_ARGS = ("--device", "cpu", "--tokens", "256", "--lengths", "64", "128", "--repeat", "1", "--warmup", "0",
+                  "--heads", "2", "--head-dim", "16", "--landmarks", "8", "--conv", "5", "--impls", "sdpa",
+                  "fast-torch")
+
+
+def test_attention_speed_stopped_at_its_time_limit_prints_the_rows_it_measured_and_says_where_it_stopped(tmp_path):
+    csv_path = tmp_path / "rows.csv"
+    proc = run_injected("attention_speed", SIGTERM_AT_THIRD_CALL.format(name="run"), *ATTENTION_ARGS,
+                        "--csv", str(csv_path))
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert [(r[0], r[2]) for r in table_rows(lines)] == [("64", "sdpa"), ("64", "fast-torch")]
+    assert all(float(r[3]) > 0 for r in table_rows(lines))
+    assert ("Stopped (a time limit or Ctrl-C) during sdpa at n = 128: the rows above are those measured before it."
+            in lines)
+    assert len(csv_path.read_text().splitlines()) == 1 + 2
+
+
+def test_attention_speed_names_a_row_that_failed_and_measures_the_others():
+    planted = """
+real = module.run
+def run(name, layer, b, n, *rest):
+    if (name, n) == ("fast-torch", 64):
+        raise RuntimeError("planted failure\\nsecond line")
+    return real(name, layer, b, n, *rest)
+module.run = run
+"""
+    proc = run_injected("attention_speed", planted, *ATTENTION_ARGS)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rows = table_rows(proc.stdout.splitlines())
+    assert [(r[0], r[2], r[3]) for r in rows][:2] == [("64", "sdpa", rows[0][3]), ("64", "fast-torch", "n/a")]
+    assert [float(r[3]) > 0 for r in rows[2:]] == [True, True]
+    assert "Failed (its row is n/a): fast-torch at n = 64: RuntimeError: planted failure" in proc.stdout.splitlines()
+
+
+MODEL_ARGS = ("--device", "cpu", "--seq-len", "64", "--batch", "2", "--layers", "1", "--steps", "1", "--warmup",
+              "0", "--models", "nystrom", "softmax", "attention-free")
+
+
+def test_model_speed_stopped_at_its_time_limit_prints_the_models_it_measured():
+    proc = run_injected("model_speed", SIGTERM_AT_THIRD_CALL.format(name="measure"), *MODEL_ARGS)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert [r[0] for r in table_rows(lines)] == ["nystrom", "softmax"]
+    assert lines[-1] == ("Stopped (a time limit or Ctrl-C) during the attention-free model: the rows above are "
+                         "those measured before it.")
+
+
+def test_model_speed_names_a_model_that_failed_and_measures_the_others():
+    planted = """
+real = module.measure
+def measure(name, *rest):
+    if name == "softmax":
+        raise ValueError("planted")
+    return real(name, *rest)
+module.measure = measure
+"""
+    proc = run_injected("model_speed", planted, *MODEL_ARGS)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rows = table_rows(proc.stdout.splitlines())
+    assert [(r[0], r[1] == "n/a") for r in rows] == [("nystrom", False), ("softmax", True), ("attention-free", False)]
+    assert "Failed (its row is n/a): softmax: ValueError: planted" in proc.stdout.splitlines()
+
+
+def test_pretrain_loop_stopped_during_pretrain_prints_the_rows_it_measured():
+    # the signal reaches the real `nystromformer pretrain` of the softmax model (at its first step's log entry):
+    # pretrain finishes its step and stops, and so does the table
+    planted = """
+import nystromformer.jsonlog as jsonlog
+real, entries = jsonlog.JsonLog.write, []
+def write(self, **entry):
+    real(self, **entry)
+    if "softmax" in str(self.path) and entry.get("type") == "train":
+        entries.append(entry)
+        if len(entries) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+jsonlog.JsonLog.write = write
+"""
+    proc = run_injected("pretrain_loop", planted, "--device", "cpu", "--seq-len", "32", "--batch", "2",
+                        "--layers", "1", "--steps", "3", "--warmup", "1")
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    rows = table_rows(lines)
+    assert [r[0] for r in rows] == ["nystrom"] and rows[0][4:] == ["n/a", "n/a"]
+    assert lines[-1].startswith("Stopped (a time limit or Ctrl-C) during the softmax model's loop")
+
+
+def test_compiling_first_stopped_kills_its_pieces_and_exits_saying_so():
+    code = """
+import os, signal, sys, threading, time
+sys.path.insert(0, "bench")
+from compile_first import run_untimed
+from time_limit import stop_on_sigterm
+stop_on_sigterm()
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+print(run_untimed([[sys.executable, "-c", "import time; time.sleep(60)"]] * 3, dict(os.environ), workers=2))
+"""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert time.perf_counter() - start < 30         # its pieces were killed, not waited for
+    assert "Stopped (a time limit or Ctrl-C) during the untimed compile pass" in proc.stdout
 
 
 def test_model_speed_prints_tokens_per_second_and_step_time_for_each_model():
@@ -372,6 +501,24 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     assert [programs["lq_combine"][s] for s in ("chosen", "rows=2", "rows=8")] == [3 + 4, 3 + 8, 3 + 2]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_kernel_settings_stopped_at_its_time_limit_keeps_the_best_of_the_wrappers_it_swept(tmp_path):
+    best = tmp_path / "best.json"
+    best.write_text('{"fp32": {"conv_raw": {"rows": 32}}}')   # another dtype's section: kept
+    proc = run_injected("kernel_settings", SIGTERM_AT_THIRD_CALL.format(name="sweep_wrapper"), "--device", "cpu",
+                        "--tokens", "256", "--lengths", "128", "--heads", "1", "--head-dim", "16", "--landmarks",
+                        "2", "--conv", "5", "--repeat", "1", "--best", str(best), "--margin", "1e9", "--wrappers",
+                        "segment_means_raw", "conv_raw", "segment_means_grad")
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert {r[0] for r in table_rows(proc.stdout.splitlines())} == {"segment_means_raw", "conv_raw"}
+    written = json.loads(best.read_text())
+    assert set(written["bf16"]) == {"segment_means_raw", "conv_raw"} and written["fp32"] == {"conv_raw": {"rows": 32}}
+    assert proc.stdout.splitlines()[-1] == (
+        "Stopped (a time limit or Ctrl-C) during segment_means_grad's sweep: the rows above are those measured "
+        "before it. The settings file holds the best of the wrappers swept before it.")
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def gpu_session_stages() -> list[str]:
     """The stages gpu_session.sh's usage line names; each must be one of its stage functions."""
     text = (REPO / "bench" / "gpu_session.sh").read_text()
@@ -420,6 +567,9 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     (["-m", "pytest", "tests/test_bench.py", "--deselect", "tests/test_bench.py::test_gone"],
      "--deselect tests/test_bench.py::test_gone: no such test was collected"),
     (["-m", "pytest", "tests/test_bench.py", "-m", "no_such_marker"], "collecting exited with status 5"),
+    (["-m", "pytest", "-m", "gpu", "tests/test_nystrom_fast.py", "tests/test_bench.py::test_gpu_tests_run_in_"
+      "one_process_without_xdist_or_with_no_workers"], "tests/test_bench.py::test_gpu_tests_run_in_one_process_"
+     "without_xdist_or_with_no_workers: named but not selected (by -m, -k or --deselect)"),
     (["-m", "nystromformer.cli", "listops-train", "--generate", "--out", "x", "--devise", "cuda"],
      "unrecognized arguments: --devise"),
     # the command's own checks after parsing (cli.validate_args), without its device or output checks
@@ -474,6 +624,40 @@ def test_a_dry_run_without_python_set_uses_make_setups_environment(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     wrapper, = tmp_path.glob("gpu-session-dry-run.*/python")
     assert str(REPO / ".venv" / "bin" / "python") in wrapper.read_text()
+
+
+def run_stage(tmp_path: Path, *stages: str, **env_vars: str) -> subprocess.CompletedProcess:
+    """gpu_session.sh for real (no dry run), its results under tmp_path: only for what runs no GPU command."""
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), RESULTS=str(tmp_path / "results"),
+               **env_vars)
+    env.pop("DRY_RUN", None)
+    return subprocess.run(["bash", "bench/gpu_session.sh", *stages], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_command_past_the_session_limit_is_skipped_in_the_log_not_in_its_results_file(tmp_path):
+    proc = run_stage(tmp_path, "model", SESSION_LIMIT="1")
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert log.count("=== skipped, ") == 3 and "bench/model_speed.py --seq-len 4096" in log, log
+    assert "skipped" not in (tmp_path / "results" / "model" / "model-4096.md").read_text()
+    # the results packed whole after the stage, under their final name
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu-results.tgz", "session.log"]
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("settings, said", [
+    (None, "=== tuned: no {best} (run the settings stage first, or set BEST)"),
+    ('{"bf16": {}}', "=== tuned: {best} chose no setting (every wrapper keeps its own): nothing to time"),
+])
+def test_the_tuned_stage_needs_a_settings_file_that_chose_something(tmp_path, settings, said):
+    best = tmp_path / "carried" / "best.json"   # BEST: a file carried from an earlier call's settings stage
+    if settings is not None:
+        best.parent.mkdir()
+        best.write_text(settings)
+    proc = run_stage(tmp_path, "tuned", BEST=str(best))
+    assert said.format(best=best) in proc.stdout
+    assert "=== stage tuned FAILED (1)" in proc.stdout
+    assert not (tmp_path / "results" / "tuned" / "gpu-tests.txt").exists()   # nothing run
 
 
 def dry_run_pytest_commands(tmp_path: Path, stage: str, **env_vars: str) -> list[str]:

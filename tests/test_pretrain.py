@@ -155,6 +155,7 @@ def test_the_device_runs_one_step_ahead_and_every_loss_is_checked_before_a_check
     assert min(times) > 0.2 * sorted(times)[len(times) // 2], times
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernels", ["1", "all"])
 def test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss(tmp_path, data, monkeypatch, kernels):
