@@ -457,11 +457,11 @@ def print_table(args, device, bandwidth, rows, graph_errors, host_waits, failure
 
 def write_csv_and_plot(args, device, rows) -> None:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    if args.csv:
+    if args.csv:  # with the device on every row (bench/targets_report.py names it)
         with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=[*rows[0], "device"])
             w.writeheader()
-            w.writerows(rows)
+            w.writerows(dict(r, device=dev) for r in rows)
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")

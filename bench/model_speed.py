@@ -3,7 +3,7 @@
 One training step = forward (MLM loss on the ~15% masked positions) + backward + fused AdamW step, bf16 autocast
 on CUDA, unpadded full-length batches of random tokens. Models (same size, ModelConfig defaults unless given):
 
-  nystrom               our model, attn_type nystrom (conv 33, 64 landmarks), attention_fp32 as --attention-fp32
+  nystrom               our model, attn_type nystrom (conv --conv, 64 landmarks), attention_fp32 as --attention-fp32
   nystrom-all           the same with NYSTROM_TRITON=all (attention-pass kernels, one-node backward)
   nystrom-reference     the same with NYSTROM_IMPL=reference (the authors' formulation), for comparison
   nystrom[-all]-overlap the same with NYSTROM_OVERLAP=1 (kernel_2 and the pseudo-inverse on a second CUDA stream)
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import csv
 import io
 import os
 import pstats
@@ -186,7 +187,8 @@ def untimed_argv(args, name: str) -> list[str]:
     not ours): its layer launches what each layer of the table's model does, so it compiles their kernels."""
     padding = ["--padding-mask"] if args.padding_mask else []
     return [sys.executable, __file__, "--device", args.device, "--models", name, "--seq-len", str(args.seq_len),
-            "--batch", str(args.batch), "--layers", "1", "--attention-fp32", args.attention_fp32, "--warmup", "1",
+            "--batch", str(args.batch), "--layers", "1", "--attention-fp32", args.attention_fp32,
+            "--conv", str(args.conv), "--warmup", "1",
             "--steps", "1", "--compile-workers", "0", *padding]
 
 
@@ -205,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--attention-fp32", default="true", choices=["true", "false"])
+    ap.add_argument("--conv", type=int, default=33,
+                    help="the depthwise conv's kernel size (nystrom-512's 33; nystrom-4096's config has 65)")
     ap.add_argument("--compile", default="none", choices=COMPILE_MODES,
                     help="torch.compile our models' encoders in this mode, as gpu_setting.compile does in "
                          "pretraining (reduce-overhead = CUDA graphs)")
@@ -221,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "one step of a one-layer model, untimed, in a process of its own, N at a time: every layer "
                          "launches the same kernels, which then load from Triton's cache instead of compiling one "
                          "at a time (default 8 on CUDA; 0 on the CPU: the interpreter compiles nothing)")
+    ap.add_argument("--csv", metavar="FILE",
+                    help="also write the table's rows to FILE (one row a model, with the run's settings and device; "
+                         "what bench/targets_report.py reads)")
     ap.add_argument("--host-profile-only", default=None, metavar="REGEX",
                     help="only the profile's rows whose file:line(function) matches, e.g. nystromformer/ for our "
                          "own code (on the CPU under TRITON_INTERPRET=1 the interpreter's rows hide it)")
@@ -265,6 +272,23 @@ def measure(name: str, args, cfg: ModelConfig, device: torch.device, amp: bool):
     return row, breakdown, profile
 
 
+def write_csv(args, dev: str, rows: dict, soft, hf) -> None:
+    """The table's rows with the run's settings, written whole (a stopped run writes the rows it measured)."""
+    fields = ["model", "seq_len", "batch", "layers", "conv", "attention_fp32", "compile", "device", "tokens_per_s",
+              "vs_softmax", "vs_hf_nystromformer", "peak_mib", "step_ms", "device_ms"]
+    tmp = Path(args.csv).with_name(Path(args.csv).name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for name, (tps, peak, step_ms, dev_ms, _host) in rows.items():
+            w.writerow(dict(model=name, seq_len=args.seq_len, batch=args.batch, layers=args.layers, conv=args.conv,
+                            attention_fp32=args.attention_fp32, compile=args.compile, device=dev,
+                            tokens_per_s=tps, vs_softmax=tps / soft if tps and soft else None,
+                            vs_hf_nystromformer=tps / hf if tps and hf else None, peak_mib=peak, step_ms=step_ms,
+                            device_ms=dev_ms))
+    os.replace(tmp, args.csv)
+
+
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -276,7 +300,7 @@ def main(argv=None):
     if workers > 0 and compiled:
         print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
     amp = device.type == "cuda"
-    cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=33,
+    cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=args.conv,
                       attention_fp32=args.attention_fp32 == "true")
     rows, breakdowns, profiles = {}, {}, {}
     caller = {key: os.environ[key] for key in SWITCHES if key in os.environ}  # the caller's, under every row's own
@@ -312,7 +336,7 @@ def main(argv=None):
             os.environ.pop(key, None)
         os.environ.update(caller)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, "
+    print(f"# MLM train step, n={args.seq_len}, batch={args.batch}, layers={args.layers}, conv={args.conv}, "
           f"attention_fp32={args.attention_fp32}, compile={args.compile}, padding_mask={args.padding_mask}, "
           f"device={dev}, torch {torch.__version__}")
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
@@ -325,6 +349,8 @@ def main(argv=None):
         host_ms = "n/a" if host is None else " / ".join(format(x, ".1f") for x in host)
         print(f"| {name} | {fmt(tps, '.0f')} | {ratio(tps, soft)} | {ratio(tps, hf)} | {ratio(tps, roberta)} | "
               f"{fmt(peak, '.0f')} | {fmt(step_ms, '.1f')} | {fmt(dev_ms, '.1f')} | {host_ms} |")
+    if args.csv and rows:
+        write_csv(args, dev, rows, soft, hf)
     for name, table in breakdowns.items():
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
     for name, table in profiles.items():

@@ -1,0 +1,245 @@
+"""Issue #6's ten targets, judged from the files of one GPU run: one table of target, setting, figure and verdict.
+
+    python bench/targets_report.py RESULTS/targets --tests RESULTS/check/gpu-tests.txt
+
+The folder holds what the `targets` stage of bench/gpu_session.sh writes (each file optional; the targets a
+missing file would measure are "not measured", never guessed):
+
+    attention.csv   bench/attention_speed.py --csv: fwd+bwd time, × SDPA, × the bandwidth floor, peak memory and
+                    relative error against the fp32 reference, one row per (n, implementation); with --graphs
+                    also the CUDA-graph replay (the kernels' own time), shown beside the timed figure
+    model-*.csv     bench/model_speed.py --csv, one file per setting (n, attention dtype, conv): tokens/s, × softmax,
+                    × transformers' Nyströmformer, peak memory, one row per model
+    --tests FILE    the GPU tests' pytest output (the check stage's gpu-tests.txt), for the correctness target
+
+Each target is judged per setting (an attention implementation; a training setting and model of ours), and
+counts as met where every setting meets it, "met in some" where only some do. The thresholds are the issue's
+own, written once in TARGETS below. Prints Markdown; exits 2 when the folder does not exist.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# (key, the issue's words). Attention: 65,536 tokens per batch, bf16; training: BERT-base size, bf16 autocast.
+TARGETS = [
+    ("attn-512", "attention fwd+bwd ≤ 1.0× SDPA at n = 512"),
+    ("attn-4096", "attention fwd+bwd ≤ 0.25× SDPA at n = 4096"),
+    ("attn-65536", "attention fwd+bwd ≤ 0.05× SDPA at n = 65,536"),
+    ("floor", "attention within 5× of the bandwidth floor (every n)"),
+    ("attn-memory", "attention peak memory linear in n (flat at a fixed 65,536 tokens: largest ≤ 1.5× smallest)"),
+    ("tolerance", "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"),
+    ("train-512", "training at 512 ≥ 1.2× the softmax model's tokens/s"),
+    ("train-hf", "training at 512 ≥ 2.5× transformers' NystromformerForMaskedLM"),
+    ("train-4096", "training at 4096 ≥ 2× the softmax model's tokens/s"),
+    ("train-memory", "training peak memory ≤ the softmax model's"),
+]
+ATTENTION_RATIO = {"attn-512": (512, 1.0), "attn-4096": (4096, 0.25), "attn-65536": (65536, 0.05)}
+FLOOR_MAX, FLAT_MAX, REL_ERR_MAX = 5.0, 1.5, 1e-2
+TRAIN_RATIO = {"train-512": (512, "vs_softmax", 1.2), "train-hf": (512, "vs_hf_nystromformer", 2.5),
+               "train-4096": (4096, "vs_softmax", 2.0)}
+
+
+@dataclass
+class Verdict:
+    target: str          # a key of TARGETS
+    setting: str
+    figure: str          # what was measured, in words and numbers
+    met: bool | None     # None: not measured
+
+
+def number(cell: str | None) -> float | None:
+    """A CSV cell as a float; empty (the benchmark's None) or unparsable → None."""
+    try:
+        return float(cell) if cell not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def judge_attention(rows: list[dict], impls: list[str]) -> list[Verdict]:
+    verdicts = []
+    by = {(int(r["n"]), r["impl"]): r for r in rows}
+    lengths = sorted({n for n, _ in by})
+    sdpa_peaks = [number(by[n, "sdpa"]["peak_mib"]) for n in lengths if (n, "sdpa") in by]
+    for impl in impls:
+        mine = [by[n, impl] for n in lengths if (n, impl) in by]
+        for key, (n, bound) in ATTENTION_RATIO.items():
+            row, sdpa = by.get((n, impl)), by.get((n, "sdpa"))
+            ratio = number(row["vs_sdpa"]) if row else None
+            if ratio is None:
+                verdicts.append(Verdict(key, impl, "not measured" if row is None else "no time (see the table)",
+                                        None))
+                continue
+            figure = f"{ratio:.3f}× ({number(row['ms']):.3f} vs {number(sdpa['ms']):.3f} ms)"
+            graph = number(row.get("graph_vs_sdpa"))
+            if graph is not None:
+                figure += f"; CUDA graph {graph:.3f}×"
+            verdicts.append(Verdict(key, impl, figure, ratio <= bound))
+        floors = [number(r["x_floor"]) for r in mine if number(r["x_floor"]) is not None]
+        if floors:
+            figure = f"{span(floors, '.1f')}× over n = {lengths_of(mine)}"
+            graph = [number(r.get("graph_x_floor")) for r in mine if number(r.get("graph_x_floor")) is not None]
+            if graph:
+                figure += f"; CUDA graph {span(graph, '.1f')}×"
+            verdicts.append(Verdict("floor", impl, figure, max(floors) <= FLOOR_MAX))
+        else:
+            verdicts.append(Verdict("floor", impl, "not measured", None))
+        peaks = [number(r["peak_mib"]) for r in mine if number(r["peak_mib"]) is not None]
+        if len(peaks) >= 2:
+            figure = f"{span(peaks, '.0f')} MiB over n = {lengths_of(mine)}"
+            if sdpa_peaks and all(p is not None for p in sdpa_peaks):
+                figure += f" (SDPA {span(sdpa_peaks, '.0f')})"
+            verdicts.append(Verdict("attn-memory", impl, figure, max(peaks) <= FLAT_MAX * min(peaks)))
+        else:
+            why = "no peak memory (CUDA only)" if not peaks else "one length only"
+            verdicts.append(Verdict("attn-memory", impl, f"not measured ({why})", None))
+        errors = [number(r["rel_err"]) for r in mine]
+        if mine and all(e is not None for e in errors):
+            verdicts.append(Verdict("tolerance", impl, f"rel. err. ≤ {max(errors):.1e}", max(errors) <= REL_ERR_MAX))
+        else:
+            verdicts.append(Verdict("tolerance", impl, "not measured (run with --check)", None))
+    return verdicts
+
+
+def span(values: list[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return format(low, fmt) if format(low, fmt) == format(high, fmt) else f"{low:{fmt}}–{high:{fmt}}"
+
+
+def lengths_of(rows: list[dict]) -> str:
+    return ", ".join(r["n"] for r in rows)
+
+
+def judge_tests(text: str | None) -> Verdict:
+    """The GPU tests' summary lines (pytest -q; the check stage appends a second run's): all passed, or not."""
+    if text is None:
+        return Verdict("tolerance", "GPU tests", "not read (no --tests file)", None)
+    counts = {"passed": 0, "failed": 0, "error": 0}
+    summaries = [line for line in text.splitlines()
+                 if re.search(r"\b\d+ (passed|failed|errors?)\b", line) and " in " in line]
+    for line in summaries:
+        for count, word in re.findall(r"\b(\d+) (passed|failed|errors?)\b", line):
+            counts["error" if word.startswith("error") else word] += int(count)
+    if not summaries:
+        return Verdict("tolerance", "GPU tests", "no pytest summary (stopped before the end?)", False)
+    figure = f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors"
+    return Verdict("tolerance", "GPU tests", figure, counts["failed"] == counts["error"] == 0 and counts["passed"] > 0)
+
+
+def setting_of(rows: list[dict]) -> str:
+    first = rows[0]
+    dtype = "fp32 attention" if first["attention_fp32"] == "true" else "bf16 attention"
+    extra = "" if first["compile"] == "none" else f", compile {first['compile']}"
+    return f"n = {first['seq_len']}, batch {first['batch']}, conv {first['conv']}, {dtype}{extra}"
+
+
+def judge_training(tables: list[list[dict]], models: list[str]) -> list[Verdict]:
+    verdicts = []
+    for rows in tables:
+        n, setting = int(rows[0]["seq_len"]), setting_of(rows)
+        by = {r["model"]: r for r in rows}
+        soft = by.get("softmax")
+        for model in models:
+            row = by.get(model)
+            if row is None:
+                continue
+            label = f"{setting}: {model}"
+            for key, (length, column, bound) in TRAIN_RATIO.items():
+                if length != n:
+                    continue
+                ratio = number(row[column])
+                base = "softmax" if column == "vs_softmax" else "hf-nystromformer"
+                if ratio is None:
+                    verdicts.append(Verdict(key, label, f"no ratio ({base} or {model} not measured)", None))
+                else:
+                    verdicts.append(Verdict(key, label, f"{ratio:.2f}× ({float(row['tokens_per_s']):,.0f} tokens/s)",
+                                            ratio >= bound))
+            peak, soft_peak = number(row["peak_mib"]), number(soft["peak_mib"]) if soft else None
+            if peak is None or soft_peak is None:
+                why = "no softmax row" if soft is None else "no peak memory (CUDA only)"
+                verdicts.append(Verdict("train-memory", label, f"not measured ({why})", None))
+            else:
+                verdicts.append(Verdict("train-memory", label, f"{peak:,.0f} vs {soft_peak:,.0f} MiB "
+                                        f"({peak / soft_peak - 1:+.1%})", peak <= soft_peak))
+    return verdicts
+
+
+def summary(verdicts: list[Verdict]) -> list[str]:
+    """One line per target: met (every setting), met in some (naming them), not met, or not measured."""
+    lines = []
+    for key, words in TARGETS:
+        judged = [v for v in verdicts if v.target == key and v.met is not None]
+        if not judged:
+            state = "not measured"
+        elif all(v.met for v in judged):
+            state = "**met**"
+        elif any(v.met for v in judged):
+            state = "met only in: " + "; ".join(v.setting for v in judged if v.met)
+        else:
+            state = "not met"
+        lines.append(f"- {words}: {state}")
+    return lines
+
+
+def report(folder: Path, tests: Path | None, impls: list[str], models: list[str]) -> str:
+    verdicts, sources, devices = [], [], set()
+    attention = folder / "attention.csv"
+    if attention.is_file():
+        rows = read_rows(attention)
+        devices |= {r["device"] for r in rows if r.get("device")}
+        verdicts += judge_attention(rows, impls)
+        sources.append(attention.name)
+    tables = [read_rows(p) for p in sorted(folder.glob("model-*.csv"))]
+    tables = [t for t in tables if t]
+    for t in tables:
+        devices |= {r["device"] for r in t if r.get("device")}
+    verdicts += judge_training(tables, models)
+    sources += [p.name for p in sorted(folder.glob("model-*.csv"))]
+    if tests is not None or attention.is_file():
+        verdicts.append(judge_tests(tests.read_text() if tests is not None and tests.is_file() else None))
+    out = [f"# issue #6's targets, from {folder} ({', '.join(sources) or 'no result files'}); "
+           f"device: {', '.join(sorted(devices)) or 'not recorded'}",
+           "| target | setting | measured | met? |", "|---|---|---|---|"]
+    words = dict(TARGETS)
+    order = {key: i for i, (key, _) in enumerate(TARGETS)}
+    for v in sorted(verdicts, key=lambda v: order[v.target]):
+        met = "not measured" if v.met is None else ("**yes**" if v.met else "no")
+        out.append(f"| {words[v.target]} | {v.setting} | {v.figure} | {met} |")
+    judged = [key for key, _ in TARGETS if any(v.target == key and v.met is not None for v in verdicts)]
+    met = [key for key in judged if all(v.met for v in verdicts if v.target == key and v.met is not None)]
+    out += ["", f"Met in every setting: {len(met)} of {len(TARGETS)} targets ({len(judged)} measured).",
+            *summary(verdicts)]
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder", type=Path, help="the targets stage's results (attention.csv, model-*.csv)")
+    ap.add_argument("--tests", type=Path, help="the GPU tests' pytest output (the check stage's gpu-tests.txt)")
+    ap.add_argument("--impls", nargs="+", default=["fast-triton-all", "fast-triton"],
+                    help="attention implementations to judge (rows of attention.csv; default: %(default)s)")
+    ap.add_argument("--models", nargs="+", default=["nystrom", "nystrom-all", "nystrom-all-recompute"],
+                    help="our models to judge (rows of model-*.csv; default: %(default)s)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if not args.folder.is_dir():
+        ap.error(f"{args.folder}: no such folder")
+    print(report(args.folder, args.tests, args.impls, args.models))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
