@@ -4,6 +4,7 @@
 # the project is used from code/ without installing).
 #
 #   bash bench/gpu_session.sh check       # GPU tests of the fast path (kernels vs reference) + versions
+#   bash bench/gpu_session.sh targets     # issue #6's ten targets judged from one pass (bench/targets_report.py)
 #   bash bench/gpu_session.sh pinv        # the pseudo-inverse kernel's variants (precision × warps) vs PyTorch
 #   bash bench/gpu_session.sh middle      # the landmark middle alone: PyTorch ops + pinv kernel vs landmark_core,
 #                                         # each with the iteration's backward direct or transposed, and the
@@ -33,7 +34,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
 RESULTS=${RESULTS:-/tmp/gpu-results}
 export PYTHONPATH="$PWD/code${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-[ $# -gt 0 ] || { echo "stages: check pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "stages: check targets pinv middle attention settings settings_fp32 tuned model loop compile profile listops" >&2; exit 2; }
 dry_run=; case ${DRY_RUN:-0} in 0|"") ;; *) dry_run=1 ;; esac
 # The device's python3 has torch; here a dry run uses `make setup`'s environment unless PYTHON names another
 python=${PYTHON:-python3}
@@ -92,6 +93,24 @@ stage_check() {
   limited "$python" -m pytest -q -rs -p no:cacheprovider \
     tests/test_bench.py::test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_devices_sleep \
     2>&1 | tee -a "$d/gpu-tests.txt" | tail -n 3
+}
+
+stage_targets() {
+  # Issue #6's ten targets in one pass, with the fewest rows that judge them (a session has 15 minutes of device
+  # time): SDPA and both kernel settings, eager and replayed as a CUDA graph (each row measures both); the training
+  # step at 512 with bf16 and with the shipped fp32 attention, and at 4096 with nystrom-4096's conv of 65; then
+  # bench/targets_report.py's verdicts from their CSV files and the check stage's test output.
+  local d=$RESULTS/targets; mkdir -p "$d"
+  limited "$python" bench/attention_speed.py --graphs --check --impls sdpa fast-triton fast-triton-all \
+    --csv "$d/attention.csv" --plot "$d/attention_speed.png" > "$d/attention.md"
+  sed -n '1,/^$/p' "$d/attention.md"
+  limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false --models softmax \
+    nystrom-all hf-nystromformer nystrom nystrom-all-recompute --csv "$d/model-512-bf16.csv" > "$d/model-512-bf16.md"
+  limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --conv 65 --attention-fp32 false --models softmax \
+    nystrom-all nystrom-all-recompute --csv "$d/model-4096-bf16.csv" > "$d/model-4096-bf16.md"
+  limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 true --models softmax nystrom \
+    nystrom-all hf-nystromformer --csv "$d/model-512-fp32.csv" > "$d/model-512-fp32.md"
+  "$python" bench/targets_report.py "$d" --tests "$RESULTS/check/gpu-tests.txt" | tee "$d/targets.md"
 }
 
 stage_pinv() {

@@ -1,6 +1,6 @@
 """The python of ``DRY_RUN=1 bash bench/gpu_session.sh STAGE…``: each command a stage would run on the GPU is
 checked here instead of run, so a misspelt flag, a removed choice or a renamed test is found on this machine in
-seconds, not on the device's 30 minutes.
+seconds, not in the device's few minutes (15 a session).
 
     python bench/X.py ARGS    the script's own argparse parses ARGS, then its ``validate_args(ap, args)`` when it
                               has one (checks between arguments); the script stops there
