@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.attention import build_attention, nystrom_fast  # noqa: E402
 from nystromformer.config import ModelConfig  # noqa: E402
 
-from compile_first import run_untimed, workers_for  # noqa: E402
+from compile_first import print_commands, run_untimed, workers_for  # noqa: E402
 from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", "fast-triton-all",
@@ -317,8 +317,12 @@ def main(argv=None):
         args.impls = [i for i in args.impls if "triton" not in i]  # Triton needs CUDA (or its interpreter)
     workers = workers_for(args.compile_workers, device.type)
     compiled = [name for name in dict.fromkeys(args.impls + (args.kernels or [])) if "triton" in name]
-    if workers > 0 and compiled:  # one process an implementation: its lengths share kernels, compiled once
-        print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
+    untimed = [untimed_argv(args, name) for name in compiled]  # one an implementation: its lengths share kernels
+    if args.print_untimed:
+        print_commands(untimed)
+        return
+    if workers > 0 and compiled:
+        print(run_untimed(untimed, dict(os.environ), workers), flush=True)
     stopped, failures = run_table(args, device)
     if stopped:
         sys.exit(STOPPED_STATUS)
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "untimed, in a process of its own, N at a time, so the table's runs load the kernels from "
                          "Triton's cache instead of compiling them one at a time (default 8 on CUDA; 0 on the CPU: "
                          "the interpreter compiles nothing)")
+    ap.add_argument("--print-untimed", action="store_true",
+                    help="print the untimed compile pass's commands (JSON, one a line) and stop: "
+                         "`compile_first.py` runs several benchmarks' in one pool (gpu_session.sh's targets stage)")
     ap.add_argument("--csv")
     ap.add_argument("--plot")
     return ap

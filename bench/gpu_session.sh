@@ -101,15 +101,29 @@ stage_targets() {
   # step at 512 with bf16 and with the shipped fp32 attention, and at 4096 with nystrom-4096's conv of 65; then
   # bench/targets_report.py's verdicts from their CSV files and the check stage's test output.
   local d=$RESULTS/targets; mkdir -p "$d"
-  limited "$python" bench/attention_speed.py --graphs --check --impls sdpa fast-triton fast-triton-all \
-    --csv "$d/attention.csv" --plot "$d/attention_speed.png" > "$d/attention.md"
+  local attention=(bench/attention_speed.py --graphs --check --impls sdpa fast-triton fast-triton-all)
+  local bf16=(bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false --models softmax nystrom-all \
+    hf-nystromformer nystrom nystrom-all-recompute)
+  local long=(bench/model_speed.py --seq-len 4096 --batch 4 --conv 65 --attention-fp32 false --models softmax \
+    nystrom-all nystrom-all-recompute)
+  local fp32=(bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 true --models softmax nystrom \
+    nystrom-all hf-nystromformer)
+  # every table's untimed compile pieces in one pool (compile_first.py), not one pool a table after another; the
+  # four lists are printed at once (each a process that imports torch)
+  local pids=()
+  for command in attention bf16 long fp32; do
+    local -n args=$command
+    "$python" "${args[@]}" --print-untimed > "$d/untimed-$command.jsonl" & pids+=($!)
+  done
+  wait "${pids[@]}"  # (a bare `wait` would also wait for the log's tee, which never ends)
+  limited "$python" bench/compile_first.py "$d"/untimed-{attention,bf16,long,fp32}.jsonl \
+    --workers "${COMPILE_WORKERS:-10}"
+  limited "$python" "${attention[@]}" --compile-workers 0 --csv "$d/attention.csv" --plot "$d/attention_speed.png" \
+    > "$d/attention.md"
   sed -n '1,/^$/p' "$d/attention.md"
-  limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false --models softmax \
-    nystrom-all hf-nystromformer nystrom nystrom-all-recompute --csv "$d/model-512-bf16.csv" > "$d/model-512-bf16.md"
-  limited "$python" bench/model_speed.py --seq-len 4096 --batch 4 --conv 65 --attention-fp32 false --models softmax \
-    nystrom-all nystrom-all-recompute --csv "$d/model-4096-bf16.csv" > "$d/model-4096-bf16.md"
-  limited "$python" bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 true --models softmax nystrom \
-    nystrom-all hf-nystromformer --csv "$d/model-512-fp32.csv" > "$d/model-512-fp32.md"
+  limited "$python" "${bf16[@]}" --compile-workers 0 --csv "$d/model-512-bf16.csv" > "$d/model-512-bf16.md"
+  limited "$python" "${long[@]}" --compile-workers 0 --csv "$d/model-4096-bf16.csv" > "$d/model-4096-bf16.md"
+  limited "$python" "${fp32[@]}" --compile-workers 0 --csv "$d/model-512-fp32.csv" > "$d/model-512-fp32.md"
   "$python" bench/targets_report.py "$d" --tests "$RESULTS/check/gpu-tests.txt" | tee "$d/targets.md"
 }
 

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
-from compile_first import run_untimed, workers_for  # noqa: E402
+from compile_first import print_commands, run_untimed, workers_for  # noqa: E402
 from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--csv", metavar="FILE",
                     help="also write the table's rows to FILE (one row a model, with the run's settings and device; "
                          "what bench/targets_report.py reads)")
+    ap.add_argument("--print-untimed", action="store_true",
+                    help="print the untimed compile pass's commands (JSON, one a line) and stop: "
+                         "`compile_first.py` runs several benchmarks' in one pool (gpu_session.sh's targets stage)")
     ap.add_argument("--host-profile-only", default=None, metavar="REGEX",
                     help="only the profile's rows whose file:line(function) matches, e.g. nystromformer/ for our "
                          "own code (on the CPU under TRITON_INTERPRET=1 the interpreter's rows hide it)")
@@ -297,8 +300,12 @@ def main(argv=None):
     device = torch.device(args.device)
     workers = workers_for(args.compile_workers, device.type)
     compiled = [name for name in args.models if name.startswith("nystrom") and name != "nystrom-reference"]
+    untimed = [untimed_argv(args, name) for name in compiled]
+    if args.print_untimed:
+        print_commands(untimed)
+        return
     if workers > 0 and compiled:
-        print(run_untimed([untimed_argv(args, name) for name in compiled], dict(os.environ), workers), flush=True)
+        print(run_untimed(untimed, dict(os.environ), workers), flush=True)
     amp = device.type == "cuda"
     cfg = ModelConfig(max_seq_len=args.seq_len, num_layers=args.layers, conv_kernel_size=args.conv,
                       attention_fp32=args.attention_fp32 == "true")

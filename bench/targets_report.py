@@ -119,10 +119,13 @@ def lengths_of(rows: list[dict]) -> str:
     return ", ".join(r["n"] for r in rows)
 
 
-def judge_tests(text: str | None) -> Verdict:
+def judge_tests(path: Path | None) -> Verdict:
     """The GPU tests' summary lines (pytest -q; the check stage appends a second run's): all passed, or not."""
-    if text is None:
+    if path is None:
         return Verdict("tolerance", "GPU tests", "not read (no --tests file)", None)
+    if not path.is_file():
+        return Verdict("tolerance", "GPU tests", f"not read (no file {path}: the check stage not run?)", None)
+    text = path.read_text()
     counts = {"passed": 0, "failed": 0, "error": 0}
     summaries = [line for line in text.splitlines()
                  if re.search(r"\b\d+ (passed|failed|errors?)\b", line) and " in " in line]
@@ -205,7 +208,7 @@ def report(folder: Path, tests: Path | None, impls: list[str], models: list[str]
     verdicts += judge_training(tables, models)
     sources += [p.name for p in sorted(folder.glob("model-*.csv"))]
     if tests is not None or attention.is_file():
-        verdicts.append(judge_tests(tests.read_text() if tests is not None and tests.is_file() else None))
+        verdicts.append(judge_tests(tests))
     out = [f"# issue #6's targets, from {folder} ({', '.join(sources) or 'no result files'}); "
            f"device: {', '.join(sorted(devices)) or 'not recorded'}",
            "| target | setting | measured | met? |", "|---|---|---|---|"]

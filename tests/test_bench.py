@@ -645,6 +645,21 @@ def test_a_command_past_the_session_limit_is_skipped_in_the_log_not_in_its_resul
     assert proc.returncode == 0
 
 
+def test_the_targets_stage_out_of_time_still_writes_its_report_with_every_target_not_measured(tmp_path):
+    # Run for real on the CPU with no time left: the untimed pieces are listed (the four lists at once, not
+    # waiting on the log's own tee), every timed command is skipped, and the report still says what it has.
+    proc = run_stage(tmp_path, "targets", SESSION_LIMIT="1")
+    log = (tmp_path / "out" / "session.log").read_text()
+    assert proc.returncode == 0 and log.count("=== skipped, ") == 5, log     # the compile pool and four tables
+    results = tmp_path / "results" / "targets"
+    pieces = {name: len((results / f"untimed-{name}.jsonl").read_text().splitlines())
+              for name in ("attention", "bf16", "long", "fp32")}
+    assert pieces == {"attention": 0, "bf16": 3, "long": 2, "fp32": 2}      # no Triton rows on the CPU
+    report = (results / "targets.md").read_text()
+    assert "Met in every setting: 0 of 10 targets (0 measured)." in report
+    assert report.count(": not measured\n") + report.endswith(": not measured") == 10
+
+
 @pytest.mark.parametrize("settings, said", [
     (None, "=== tuned: no {best} (run the settings stage first, or set BEST)"),
     ('{"bf16": {}}', "=== tuned: {best} chose no setting (every wrapper keeps its own): nothing to time"),
@@ -736,6 +751,44 @@ def test_compiling_first_runs_every_piece_and_counts_the_failed_and_the_stopped(
                        dict(os.environ), workers=2, timeout=2)
     assert line.startswith("# compiled first: 4 processes untimed, 2 at a time, in ")
     assert line.endswith("s (1 failed, 1 stopped at 2 s)")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_several_benchmarks_untimed_pieces_compile_in_one_pool(tmp_path):
+    # The targets stage: each benchmark prints its untimed pieces (the commands its own compile pass would run),
+    # compile_first.py runs them all in one pool, and the timed runs follow with --compile-workers 0.
+    sys.path.insert(0, str(REPO / "bench"))
+    import attention_speed
+    import model_speed
+    attention = ["--device", "cpu", "--tokens", "256", "--lengths", "64", "128", "--heads", "2", "--head-dim", "16",
+                 "--landmarks", "8", "--conv", "5", "--impls", "sdpa", "fast-triton", "fast-triton-all", "--check"]
+    model = ["--device", "cpu", "--seq-len", "64", "--batch", "1", "--layers", "3", "--conv", "5", "--models",
+             "softmax", "nystrom-all", "nystrom-reference"]
+    printed = {}
+    for name, script, args, module in (("attention", "bench/attention_speed.py", attention, attention_speed),
+                                       ("model", "bench/model_speed.py", model, model_speed)):
+        lines = run_script(script, *args, "--print-untimed", TRITON_INTERPRET="1")
+        parsed = module.build_parser().parse_args(args)
+        expected = [module.untimed_argv(parsed, impl) for impl in
+                    (["fast-triton", "fast-triton-all"] if name == "attention" else ["nystrom-all"])]
+        assert [json.loads(line) for line in lines] == expected    # nothing measured, only the pieces printed
+        printed[name] = tmp_path / f"untimed-{name}.jsonl"
+        printed[name].write_text("\n".join(lines) + "\n")
+    again = tmp_path / "again.jsonl"
+    again.write_text(printed["model"].read_text())             # a piece named twice runs once
+    line, = run_script("bench/compile_first.py", str(printed["attention"]), str(printed["model"]), str(again),
+                       "--workers", "2", TRITON_INTERPRET="1")
+    assert line.startswith("# compiled first: 3 processes untimed, 2 at a time, in ") and "failed" not in line
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert run_script("bench/compile_first.py", str(empty)) == ["# compiled first: nothing to compile (no untimed "
+                                                                "pieces)"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('["python", "x.py"]\n{"not": "a list"}\n')
+    proc = subprocess.run([sys.executable, "bench/compile_first.py", str(bad)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and f"{bad}:2: not a list of arguments" in proc.stderr
 
 
 def test_model_speed_runs_each_model_with_triton_kernels_first_for_one_untimed_step_of_one_layer():
