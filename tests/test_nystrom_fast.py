@@ -631,6 +631,20 @@ def test_gpu_one_node_layer_recomputing_its_landmarks_in_the_backward_matches_ke
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("mask_none", [False, True], ids=["padding", "mask-none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("impl", ["triton", "triton-all"])
+def test_gpu_nystrom_4096s_conv_of_65_within_tolerance(impl, dtype, mask_none, monkeypatch):
+    # nystrom-4096's config has a conv 65 wide (nystrom-512's 33): other tile windows (the one-pass backward's
+    # 128 and 256 rows for 16-bit inputs), other compiled variants; with padding and as pretraining calls it
+    err, grad_errs = _gpu_case(dtype, _gpu_impl(impl, monkeypatch), n=1300, conv=65,
+                               pad=(0, 0, 0) if mask_none else (0, 137, 700), mask_none=mask_none)
+    tol = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-4, 1e-3)
+    assert err <= tol[0] and max(grad_errs) <= tol[1], (err, grad_errs)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("impl", GPU_IMPLS)
 def test_gpu_fp32_close(impl, monkeypatch):
     err, grad_errs = _gpu_case(torch.float32, _gpu_impl(impl, monkeypatch))
@@ -882,6 +896,22 @@ def test_interp_training_is_one_autograd_node_with_gradients_in_the_inputs_layou
         assert grad.stride() == t.stride()          # transposed views in, transposed-layout gradients out
     with torch.no_grad():                           # inference takes the per-kernel path: same function
         assert rel(nystrom_fast.forward(q, k, v, mask, **kw), att.reference_forward(q, k, v, mask)) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("pad", [(0, 37), None], ids=["padding", "mask-none"])
+def test_interp_a_conv_65_wide_gives_the_reference_output_and_gradients(pad):
+    # nystrom-4096's conv (65 taps, wider than one 64-row tile) through the whole layer in the driver's kernel mode
+    # (1 or all), several programs a pass at n = 300, with padding and without a mask
+    att = layer(8, 65)
+    (q, k, v), mask = inputs(2, 300, pad=pad or (), seed=65)
+    mask = mask if pad else None
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    ref = att.reference_forward(q, k, v, mask)
+    assert rel(out, ref) < FP64_TOL
+    params, g = (q, k, v, att.conv.weight), torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        assert rel(a, b) < FP64_TOL
 
 
 @needs_interpreter
