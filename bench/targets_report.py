@@ -176,20 +176,26 @@ def judge_training(tables: list[list[dict]], models: list[str]) -> list[Verdict]
     return verdicts
 
 
+def state_of(key: str, verdicts: list[Verdict]) -> str:
+    """"met" (every setting judged meets it), "some" (only some do), "not met", or "not measured"."""
+    judged = [v for v in verdicts if v.target == key and v.met is not None]
+    if not judged:
+        return "not measured"
+    return "met" if all(v.met for v in judged) else "some" if any(v.met for v in judged) else "not met"
+
+
 def summary(verdicts: list[Verdict]) -> list[str]:
-    """One line per target: met (every setting), met in some (naming them), not met, or not measured."""
-    lines = []
+    """A count of each state (the status line of docs/performance.md), then one line per target, naming the
+    settings that meet it where only some do."""
+    states = {key: state_of(key, verdicts) for key, _ in TARGETS}
+    counts = {state: list(states.values()).count(state) for state in ("met", "some", "not met", "not measured")}
+    lines = [f"Of {len(TARGETS)} targets: {counts['met']} met, {counts['some']} met only in some settings, "
+             f"{counts['not met']} not met, {counts['not measured']} not measured."]
     for key, words in TARGETS:
-        judged = [v for v in verdicts if v.target == key and v.met is not None]
-        if not judged:
-            state = "not measured"
-        elif all(v.met for v in judged):
-            state = "**met**"
-        elif any(v.met for v in judged):
-            state = "met only in: " + "; ".join(v.setting for v in judged if v.met)
-        else:
-            state = "not met"
-        lines.append(f"- {words}: {state}")
+        state = states[key]
+        if state == "some":
+            state = "met only in: " + "; ".join(v.setting for v in verdicts if v.target == key and v.met)
+        lines.append(f"- {words}: " + ("**met**" if state == "met" else state))
     return lines
 
 
@@ -217,10 +223,7 @@ def report(folder: Path, tests: Path | None, impls: list[str], models: list[str]
     for v in sorted(verdicts, key=lambda v: order[v.target]):
         met = "not measured" if v.met is None else ("**yes**" if v.met else "no")
         out.append(f"| {words[v.target]} | {v.setting} | {v.figure} | {met} |")
-    judged = [key for key, _ in TARGETS if any(v.target == key and v.met is not None for v in verdicts)]
-    met = [key for key in judged if all(v.met for v in verdicts if v.target == key and v.met is not None)]
-    out += ["", f"Met in every setting: {len(met)} of {len(TARGETS)} targets ({len(judged)} measured).",
-            *summary(verdicts)]
+    out += ["", *summary(verdicts)]
     return "\n".join(out)
 
 

@@ -656,7 +656,7 @@ def test_the_targets_stage_out_of_time_still_writes_its_report_with_every_target
               for name in ("attention", "bf16", "long", "fp32")}
     assert pieces == {"attention": 0, "bf16": 3, "long": 2, "fp32": 2}      # no Triton rows on the CPU
     report = (results / "targets.md").read_text()
-    assert "Met in every setting: 0 of 10 targets (0 measured)." in report
+    assert "Of 10 targets: 0 met, 0 met only in some settings, 0 not met, 10 not measured." in report
     assert report.count(": not measured\n") + report.endswith(": not measured") == 10
 
 
@@ -869,7 +869,9 @@ def test_targets_report_judges_each_of_the_issues_targets_by_its_own_threshold(t
     memory = "training peak memory ≤ the softmax model's"
     assert verdicts[memory, bf16] == ("9,527 vs 9,314 MiB (+2.3%)", "no")
     summary = lines[lines.index("") + 1:]
-    assert summary[0] == "Met in every setting: 3 of 10 targets (9 measured)."
+    # (the rows above are a subset of 2026-11-23's: without fp32 attention's nystrom-all row, whose memory was below
+    # softmax's, the memory target is not met here, and 4096 was not measured then)
+    assert summary[0] == "Of 10 targets: 3 met, 1 met only in some settings, 5 not met, 1 not measured."
     assert f"- {hf}: met only in: {bf16}" in summary
     assert "- training at 4096 ≥ 2× the softmax model's tokens/s: not measured" in summary
     assert f"- {tolerance}: **met**" in summary
