@@ -63,19 +63,24 @@ def configs(dt: str, prec: str, wide: bool):
     conv_args = dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, W="*fp32", RES=p,
                      **strides("srb", "srh", "srn", "srd"), OUT=p, **strides("sob", "soh", "son", "sod"),
                      H=I32, N=I32, D=I32)
-    yield ("conv + residual", nt._dwconv_kernel, conv_args,
-           dict(KS=33, FLIP=False, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
-                TILES=8, PREC=prec), 8)
-    yield ("conv input gradient (taps reversed) + pass 1's dV", nt._dwconv_kernel, conv_args,
-           dict(KS=33, FLIP=True, IN_MASK=False, OUT_MASK=True, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
-                TILES=8, PREC=prec), 8)
+    for ks in (33, 65):  # both fit a 128-row window beside a 64-row tile
+        yield (f"conv + residual, kernel {ks}", nt._dwconv_kernel, conv_args,
+               dict(KS=ks, FLIP=False, IN_MASK=True, OUT_MASK=False, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
+                    TILES=8, PREC=prec), 8)
+        yield (f"conv input gradient (taps reversed) + pass 1's dV, kernel {ks}", nt._dwconv_kernel, conv_args,
+               dict(KS=ks, FLIP=True, IN_MASK=False, OUT_MASK=True, HAS_RES=True, BLOCK_N=64, WIN=128, BLOCK_D=64,
+                    TILES=8, PREC=prec), 8)
     yield ("conv weight gradient", nt._dwconv_wgrad_kernel,
            dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, PART="*fp32", H=I32, N=I32, D=I32),
            dict(KS=33, BLOCK_N=64, BLOCK_D=64, IS_F64=False), 4)
-    yield ("conv weight gradient (diagonals)", nt._dwconv_wgrad_mm_kernel,
-           dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
-                PART="*fp32", H=I32, N=I32, D=I32),
-           dict(KS=33, BLOCK_N=64, WIN=128, BLOCK_T=64, BLOCK_D=64, TILES=8, PREC=prec, IS_F64=False), 8)
+    for ks in (33, 65):  # the paper's 33, the shipped configs' 65: the tiles as conv_weight_grad_mm chooses them
+        rows, tiles = nt.wgrad_mm_tiles(4 if wide else 2, ks)
+        block_t = nt._pow2(ks)
+        yield (f"conv weight gradient (diagonals), kernel {ks}", nt._dwconv_wgrad_mm_kernel,
+               dict(X=p, **strides("sxb", "sxh", "sxn", "sxd"), KEEP=p, G=p, **strides("sgb", "sgh", "sgn", "sgd"),
+                    PART="*fp32", H=I32, N=I32, D=I32),
+               dict(KS=ks, BLOCK_N=rows, WIN=nt._pow2(rows + block_t - 1), BLOCK_T=block_t, BLOCK_D=64,
+                    TILES=tiles, PREC=prec, IS_F64=False), 8)
     for ks, win, block_t, win_t in ((33, 64, 64, 128), (65, 128, 128, 256)):  # the paper's 33, the configs' 65
         if wide:  # 16-bit inputs only (nt.CONV_BACKWARD_ONE_PASS_MAX_BYTES): fp32's tiles do not fit
             continue
@@ -134,12 +139,12 @@ def configs(dt: str, prec: str, wide: bool):
                dict(**core, DA="*fp32", STAT="*fp32", COLS="*fp32", DDIV="*fp32", NTIE="*fp32", DQL=t, DKL=t, M=I32,
                     D=I32, NBH=I32, GROUP=I32, scale="fp32"),
                dict(**batch, **core_c), nt.CORE_WARPS)
-    for conv in (False, True):  # the one-node layer adds the conv inside pass 2's forward
-        yield ("pass 2 forward" + (" + conv" if conv else ""), nt._lk_fwd_kernel,
+    for conv, ks in ((False, 1), (True, 33), (True, 65)):  # the one-node layer adds the conv inside pass 2's forward
+        yield ("pass 2 forward" + (f" + conv {ks}" if conv else ""), nt._lk_fwd_kernel,
                dict(**lk, OUT=p, **strides("sob", "soh", "son", "sod"), V=p, **strides("svb", "svh", "svn", "svd"),
                     TAPS="*fp32", **dims),
-               dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec, HAS_CONV=conv, KS=33 if conv else 1,
-                    WIN=128 if conv else 64), 8)
+               dict(BLOCK_N=64, BLOCK_M=64, BLOCK_D=64, PREC=prec, HAS_CONV=conv, KS=ks,
+                    WIN=nt._pow2(64 + ks - 1)), 8)
     yield ("pass 2 backward", nt._lk_bwd_kernel,
            dict(**lk, DO=p, **strides("sdb", "sdh", "sdn", "sdd"), DQ=p, **strides("sgb", "sgh", "sgn", "sgd"),
                 DKL_P="*fp32", DZW_P="*fp32", **dims),
@@ -167,7 +172,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90 = H100/H200, 80 = A100)")
     args = ap.parse_args(argv)
-    print(f"# Triton {triton.__version__} kernels compiled for sm_{args.arch} (head_dim 64, 64 landmarks, conv 33)")
+    print(f"# Triton {triton.__version__} kernels compiled for sm_{args.arch} (head_dim 64, 64 landmarks, conv 33 and 65)")
     print("| kernel | dtype | warps | shared KB | registers | spill bytes |")
     print("|---|---|---|---|---|---|")
     for dt, prec, wide in (("bf16", "tf32", False), ("fp32", "tf32x3", True)):

@@ -1546,12 +1546,21 @@ def conv_weight_grad(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weigh
     return part.reshape(b, h, nblk, ks).sum(dim=(0, 2)).reshape(weight_shape)
 
 
+def wgrad_mm_tiles(element_size: int, ks: int) -> tuple[int, int]:
+    """``conv_weight_grad_mm``'s rows a tile and tiles a program, 512 rows a program: 64-row tiles, but 16-row ones
+    for 32/64-bit inputs and a conv wider than 64 taps (the shipped configs' 65), whose 64-row tile with its
+    256-row window and 128 taps needs 290 KB of shared memory in fp32, over Hopper's 227 KB a block (16 rows: 142
+    KB, no spills; ptxas for sm_90, bench/triton_compile_report.py)."""
+    return (64, 8) if element_size <= 2 or ks <= 64 else (16, 32)
+
+
 def conv_weight_grad_mm(v: torch.Tensor, keep: torch.Tensor, g: torch.Tensor, weight_shape) -> torch.Tensor:
     """``conv_weight_grad`` with one tensor-core product per 64-row tile and a diagonal gather (used by the
     ``NYSTROM_TRITON=all`` path: 0.27 ms on an H100 at 65,536 tokens against the shifted-load kernel's 0.47)."""
     b, h, n, d = v.shape
     ks = weight_shape[2]
-    s = _launch("conv_weight_grad_mm", v.dtype, rows=64, tiles=8, num_warps=8)
+    rows, tiles = wgrad_mm_tiles(v.element_size(), ks)
+    s = _launch("conv_weight_grad_mm", v.dtype, rows=rows, tiles=tiles, num_warps=8)
     block_n, tiles, part = _taps_partials(v, ks, s)
     block_t = part.shape[-1]
     _dwconv_wgrad_mm_kernel[(b * h, part.shape[1])](
