@@ -89,33 +89,37 @@ stage_check() {
     tests/test_nystrom_fast.py \
     tests/test_pretrain.py::test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss \
     2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
-  # alone: it times a device sleep, which other processes' kernels on the GPU would shorten or stretch
+  # alone: it times a device sleep, which other processes' kernels on the GPU would shorten or stretch (its own
+  # file: gpu-tests.txt is the fast path's tests alone, as targets_report.py reads it)
   limited "$python" -m pytest -q -rs -p no:cacheprovider \
     tests/test_bench.py::test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_devices_sleep \
-    2>&1 | tee -a "$d/gpu-tests.txt" | tail -n 3
+    2>&1 | tee "$d/host-time-test.txt" | tail -n 3
 }
 
 stage_targets() {
   # Issue #6's ten targets in one pass, with the fewest rows that judge them (a session has 15 minutes of device
-  # time): SDPA and both kernel settings, eager and replayed as a CUDA graph (each row measures both); the training
-  # step at 512 with bf16 and with the shipped fp32 attention, and at 4096 with nystrom-4096's conv of 65; then
-  # bench/targets_report.py's verdicts from their CSV files and the check stage's test output.
+  # time): SDPA and both kernel settings, eager and replayed as a CUDA graph (each row measures both; the issue's
+  # conv of 33); the training step with the shipped folders' conv of 65 at 512, with bf16 and with their fp32
+  # attention, and at 4096; then bench/targets_report.py's verdicts from their CSV files and the check stage's
+  # test output.
   local d=$RESULTS/targets; mkdir -p "$d"
   local attention=(bench/attention_speed.py --graphs --check --impls sdpa fast-triton fast-triton-all)
-  local bf16=(bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 false --models softmax nystrom-all \
-    hf-nystromformer nystrom nystrom-all-recompute)
+  local bf16=(bench/model_speed.py --seq-len 512 --batch 32 --conv 65 --attention-fp32 false --models softmax \
+    nystrom-all hf-nystromformer nystrom nystrom-all-recompute)
   local long=(bench/model_speed.py --seq-len 4096 --batch 4 --conv 65 --attention-fp32 false --models softmax \
     nystrom-all nystrom-all-recompute)
-  local fp32=(bench/model_speed.py --seq-len 512 --batch 32 --attention-fp32 true --models softmax nystrom \
+  local fp32=(bench/model_speed.py --seq-len 512 --batch 32 --conv 65 --attention-fp32 true --models softmax nystrom \
     nystrom-all hf-nystromformer)
   # every table's untimed compile pieces in one pool (compile_first.py), not one pool a table after another; the
   # four lists are printed at once (each a process that imports torch)
-  local pids=()
+  local pids=() i=0 command
   for command in attention bf16 long fp32; do
     local -n args=$command
     "$python" "${args[@]}" --print-untimed > "$d/untimed-$command.jsonl" & pids+=($!)
   done
-  wait "${pids[@]}"  # (a bare `wait` would also wait for the log's tee, which never ends)
+  for command in attention bf16 long fp32; do  # each pid (a bare `wait` would wait for the log's tee too)
+    wait "${pids[i++]}" || echo "=== $command: --print-untimed failed: its table compiles in its timed run"
+  done
   limited "$python" bench/compile_first.py "$d"/untimed-{attention,bf16,long,fp32}.jsonl \
     --workers "${COMPILE_WORKERS:-10}"
   limited "$python" "${attention[@]}" --compile-workers 0 --csv "$d/attention.csv" --plot "$d/attention_speed.png" \

@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--attention-fp32", default="true", choices=["true", "false"])
     ap.add_argument("--conv", type=int, default=33,
-                    help="the depthwise conv's kernel size (nystrom-512's 33; nystrom-4096's config has 65)")
+                    help="the depthwise conv's kernel size (default 33, the paper's and the issue's; the shipped "
+                         "nystrom-512 and nystrom-4096 folders have 65, as the authors' released checkpoints)")
     ap.add_argument("--compile", default="none", choices=COMPILE_MODES,
                     help="torch.compile our models' encoders in this mode, as gpu_setting.compile does in "
                          "pretraining (reduce-overhead = CUDA graphs)")

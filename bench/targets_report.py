@@ -75,9 +75,14 @@ def judge_attention(rows: list[dict], impls: list[str]) -> list[Verdict]:
         for key, (n, bound) in ATTENTION_RATIO.items():
             row, sdpa = by.get((n, impl)), by.get((n, "sdpa"))
             ratio = number(row["vs_sdpa"]) if row else None
+            if row is None or sdpa is None:
+                verdicts.append(Verdict(key, impl, "not measured", None))
+                continue
+            if number(row["ms"]) is None:  # the row ran and failed, or ran out of memory: the table says which
+                verdicts.append(Verdict(key, impl, "no time: failed or out of memory (see the table)", False))
+                continue
             if ratio is None:
-                verdicts.append(Verdict(key, impl, "not measured" if row is None else "no time (see the table)",
-                                        None))
+                verdicts.append(Verdict(key, impl, "not measured (SDPA failed: see the table)", None))
                 continue
             figure = f"{ratio:.3f}× ({number(row['ms']):.3f} vs {number(sdpa['ms']):.3f} ms)"
             graph = number(row.get("graph_vs_sdpa"))
@@ -120,21 +125,23 @@ def lengths_of(rows: list[dict]) -> str:
 
 
 def judge_tests(path: Path | None) -> Verdict:
-    """The GPU tests' summary lines (pytest -q; the check stage appends a second run's): all passed, or not."""
+    """The GPU tests' pytest output (the check stage's gpu-tests.txt, those tests alone): met when its summary says
+    some passed and none failed or errored; a run cut off before its summary, or one that ran no test, is not."""
     if path is None:
         return Verdict("tolerance", "GPU tests", "not read (no --tests file)", None)
     if not path.is_file():
         return Verdict("tolerance", "GPU tests", f"not read (no file {path}: the check stage not run?)", None)
-    text = path.read_text()
-    counts = {"passed": 0, "failed": 0, "error": 0}
-    summaries = [line for line in text.splitlines()
-                 if re.search(r"\b\d+ (passed|failed|errors?)\b", line) and " in " in line]
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    summaries = [line for line in path.read_text().splitlines()
+                 if re.search(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b", line) and " in " in line]
     for line in summaries:
-        for count, word in re.findall(r"\b(\d+) (passed|failed|errors?)\b", line):
+        for count, word in re.findall(r"\b(\d+) (passed|failed|errors?|skipped)\b", line):
             counts["error" if word.startswith("error") else word] += int(count)
     if not summaries:
         return Verdict("tolerance", "GPU tests", "no pytest summary (stopped before the end?)", False)
-    figure = f"{counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors"
+    figure = ", ".join(f"{counts[k]} {k if k != 'error' else 'errors'}" for k in counts)
+    if counts["passed"] == 0:
+        figure += " (no test ran)"
     return Verdict("tolerance", "GPU tests", figure, counts["failed"] == counts["error"] == 0 and counts["passed"] > 0)
 
 
@@ -156,6 +163,12 @@ def judge_training(tables: list[list[dict]], models: list[str]) -> list[Verdict]
             if row is None:
                 continue
             label = f"{setting}: {model}"
+            if number(row["tokens_per_s"]) is None:  # built, then failed or ran out of memory: no figure at all
+                for key, (length, _, _) in TRAIN_RATIO.items():
+                    if length == n:
+                        verdicts.append(Verdict(key, label, "failed or out of memory (see the table)", False))
+                verdicts.append(Verdict("train-memory", label, "failed or out of memory (see the table)", False))
+                continue
             for key, (length, column, bound) in TRAIN_RATIO.items():
                 if length != n:
                     continue
@@ -181,6 +194,8 @@ def state_of(key: str, verdicts: list[Verdict]) -> str:
     judged = [v for v in verdicts if v.target == key and v.met is not None]
     if not judged:
         return "not measured"
+    if any(v.setting == "GPU tests" and v.met is False for v in judged):
+        return "not met"  # a failing GPU test (or none run) fails correctness, whatever the table's errors
     return "met" if all(v.met for v in judged) else "some" if any(v.met for v in judged) else "not met"
 
 
