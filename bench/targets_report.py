@@ -74,13 +74,13 @@ def judge_attention(rows: list[dict], impls: list[str]) -> list[Verdict]:
         mine = [by[n, impl] for n in lengths if (n, impl) in by]
         for key, (n, bound) in ATTENTION_RATIO.items():
             row, sdpa = by.get((n, impl)), by.get((n, "sdpa"))
-            ratio = number(row["vs_sdpa"]) if row else None
             if row is None or sdpa is None:
                 verdicts.append(Verdict(key, impl, "not measured", None))
                 continue
             if number(row["ms"]) is None:  # the row ran and failed, or ran out of memory: the table says which
                 verdicts.append(Verdict(key, impl, "no time: failed or out of memory (see the table)", False))
                 continue
+            ratio = number(row["vs_sdpa"])
             if ratio is None:
                 verdicts.append(Verdict(key, impl, "not measured (SDPA failed: see the table)", None))
                 continue

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -81,3 +82,17 @@ class WeightCasts(TorchDispatchMode):
     def of_joined_qkv(self, model) -> int:
         cfg = model.config
         return self.by_shape[(3 * cfg.num_head * cfg.head_dim, cfg.transformer_dim)]
+
+
+def run_at_once(commands: list[list[str]], envs: list[dict], cwd: Path, timeout: float) -> list[tuple[int, str, str]]:
+    """Run the commands, each in its environment, as concurrent processes (the suite itself runs in one process;
+    this uses the machine's other cores) and return each one's (exit status, stdout, stderr); all are killed if
+    one overruns."""
+    procs = [subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command, env in zip(commands, envs, strict=True)]
+    try:
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]

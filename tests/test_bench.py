@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_at_once
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -540,18 +542,12 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
                STAGE_LIMIT="1", SESSION_LIMIT="1")
     # two sessions at once, half the stages each (the suite runs in one process: this uses the other core)
     halves = [stages[:len(stages) // 2], stages[len(stages) // 2:]]
-    procs = [subprocess.Popen(["bash", "bench/gpu_session.sh", *half], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for half in halves]
-    try:
-        outputs = [proc.communicate(timeout=600) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, half, (out, err) in zip(procs, halves, outputs):
-        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    outputs = run_at_once([["bash", "bench/gpu_session.sh", *half] for half in halves], [env, env], REPO, 600)
+    for half, (returncode, out, err) in zip(halves, outputs):
+        assert returncode == 0, out[-3000:] + err[-3000:]
         assert "FAILED" not in out and "skipped" not in out and "unknown stage" not in out, out[-5000:]
         assert [line.split()[2] for line in out.splitlines() if line.startswith("=== stage ")] == half
-    out = "".join(out for out, _ in outputs)
+    out = "".join(out for _, out, _ in outputs)
     checked = [line.removeprefix("dry run ok: ") for line in out.splitlines() if line.startswith("dry run ok: ")]
     text = (REPO / "bench" / "gpu_session.sh").read_text()
     commands = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
@@ -564,7 +560,7 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     assert sorted(c.split("--attn-types ")[1].split()[0] for c in listops) == sorted(ATTENTION_TYPES)
     # each session's log and results in a temporary folder, not the repo's
     logs = sorted((results / "session.log").read_text() for results in tmp_path.glob("gpu-session-dry-run.*"))
-    assert logs == sorted(out for out, _ in outputs)
+    assert logs == sorted(out for _, out, _ in outputs)
 
 
 @pytest.mark.parametrize("command, reason", [

@@ -9,7 +9,6 @@
 """
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -22,6 +21,7 @@ from nystromformer.attention import build_attention, nystrom_fast
 from nystromformer.attention.nystrom import (AttentionSettingError, iterative_pinv, pinv_init, segment_means,
                                             use_fast_path)
 from nystromformer.config import ModelConfig
+from helpers import run_at_once
 
 H, D = 3, 16
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -315,20 +315,15 @@ def test_triton_kernels_under_interpreter():
     repo = Path(__file__).resolve().parents[1]
     # the kernels checked on a GPU; and with the attention-pass kernels and fused node. The two modes run at once
     # (~4.5 min each on a CI core; one after the other they were a third of the suite's time)
-    procs = {}
-    for mode in ("1", "all"):
+    modes, envs = ("1", "all"), []
+    for mode in modes:
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", NYSTROM_TRITON=mode)
         env.pop("NYSTROM_IMPL", None)
-        procs[mode] = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                                        "test_interp_", str(Path(__file__))], cwd=repo, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        outputs = {mode: proc.communicate(timeout=720) for mode, proc in procs.items()}
-    finally:
-        for proc in procs.values():
-            proc.kill()
-    for mode, (stdout, stderr) in outputs.items():
-        assert procs[mode].returncode == 0, mode + stdout[-6000:] + stderr[-3000:]
+        envs.append(env)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_interp_",
+               str(Path(__file__))]
+    for mode, (returncode, stdout, stderr) in zip(modes, run_at_once([command, command], envs, repo, 720)):
+        assert returncode == 0, mode + stdout[-6000:] + stderr[-3000:]
         assert " passed" in stdout and "skipped" not in stdout.splitlines()[-1], stdout[-2000:]
 
 
