@@ -332,6 +332,29 @@ def test_reformer_with_several_chunks_and_hashes_is_its_definition():
     torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10, atol=1e-12)
 
 
+def test_reformer_hashes_afresh_in_training_and_the_same_way_in_every_evaluation():
+    # A dev score or test prediction must not depend on torch's RNG state or on an example's batch mates.
+    q, k, v = qkv(16)
+    mask = padded_mask(16, real=(16, 11))
+    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    torch.manual_seed(0)
+    first = attn(q, k, v, mask)
+    assert not torch.allclose(attn(q, k, v, mask), first)  # training: a new rotation each forward
+
+    attn.eval()
+    torch.manual_seed(0)
+    evaluated = attn(q, k, v, mask)
+    torch.manual_seed(1)
+    torch.testing.assert_close(attn(q, k, v, mask), evaluated, rtol=0, atol=0)
+    for i in range(B):  # each example alone gives what it gave in the batch
+        torch.testing.assert_close(attn(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask[i:i + 1]), evaluated[i:i + 1],
+                                   rtol=1e-12, atol=1e-12)
+    another = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2)).eval()
+    torch.testing.assert_close(another(q, k, v, mask), evaluated, rtol=0, atol=0)  # e.g. in another process
+    single = another(q.float(), k.float(), v.float(), mask)  # the same rotation in any dtype (so the same buckets)
+    torch.testing.assert_close(single.double(), evaluated, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", sorted(ATTENTION_REGISTRY))
 def test_the_variants_whose_outputs_depend_on_the_amount_of_padding_are_declared_so(name):
     # GLUE pads these to one fixed length (glue/finetune.py, collator): the declaration must match the behaviour.

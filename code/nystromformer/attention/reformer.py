@@ -5,13 +5,16 @@ Shared QK: Reformer uses one projection for queries and keys. Our interface pass
 does not compute k at all, and its key projection gets no gradient). Keys are the unit-normalised queries times
 d^-1/2 (as in the reference code), so the score of query i on key j is q_i·q_j / (‖q_j‖ √d).
 
-Per round (``reformer_num_hashes`` rounds): a random rotation R (d × nb/2, fresh each forward from torch's
-RNG, per head) hashes each position to argmax([xR; −xR]) of nb buckets, nb = padded length / c rounded
-up to even (c = ``reformer_bucket_size``). Positions are sorted by (round, bucket, position), cut into
-chunks of c, and each chunk attends to itself and the previous chunk. A query never attends to itself
-unless nothing else is available (score −1e5, as in the reference). Rounds are combined with weights
-softmax over rounds of each round's log-sum-exp. Duplicate keys across rounds are not de-duplicated
-(as in the reference implementations).
+Per round (``reformer_num_hashes`` rounds): a random rotation R (d × nb/2, per head) hashes each position to
+argmax([xR; −xR]) of nb buckets, nb = padded length / c rounded up to even (c = ``reformer_bucket_size``).
+Positions are sorted by (round, bucket, position), cut into chunks of c, and each chunk attends to itself and
+the previous chunk. A query never attends to itself unless nothing else is available (score −1e5, as in the
+reference). Rounds are combined with weights softmax over rounds of each round's log-sum-exp. Rotations: in
+training, fresh from torch's RNG every forward (as in the paper); in evaluation, fixed — drawn from a generator
+seeded by ``EVAL_HASH_SEED`` and nb, the same in every layer (their queries differ) — so a dev score or test
+prediction does not change from one call, batch size or process to the next (as Performer's features are not
+redrawn in evaluation). Duplicate keys across rounds are not de-duplicated (as in the reference
+implementations).
 
 Padding: padded positions go to an extra last bucket, so they are sorted after every real token and
 their contents never change which chunk a real token lands in; padded keys are masked out of every
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from . import key_padding_mask, register
 
 SELF_SCORE = -1e5
+EVAL_HASH_SEED = 20200113  # any fixed number: evaluation's rotations must not depend on torch's RNG state
 
 
 def lsh_buckets(rotated: torch.Tensor) -> torch.Tensor:
@@ -49,6 +53,14 @@ class ReformerAttention(nn.Module):
         self.num_hashes = config.reformer_num_hashes
         self.bucket_size = config.reformer_bucket_size
 
+    def rotation(self, shape, device, dtype) -> torch.Tensor:
+        """(heads, dim, rounds, buckets/2): fresh in training; in evaluation the same for every call of this
+        shape (drawn on the CPU in fp64 from a fixed seed, so the same on any device and in any dtype)."""
+        if self.training:
+            return torch.randn(shape, device=device, dtype=dtype)
+        generator = torch.Generator().manual_seed(EVAL_HASH_SEED * 1000003 + shape[-1])
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         b, h, n, d = q.shape
@@ -63,7 +75,7 @@ class ReformerAttention(nn.Module):
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
         keys = F.normalize(qp, dim=-1) * d ** -0.5
 
-        rot = torch.randn(h, d, rounds, nbk // 2, device=q.device, dtype=q.dtype)
+        rot = self.rotation((h, d, rounds, nbk // 2), q.device, q.dtype)
         rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)                # (b, h, r, N, nb/2)
         buckets = lsh_buckets(rotated)                                               # (b, h, r, N)
         del rotated  # O(N · nb) = O(N²/c) memory, inherent in LSH with nb ∝ N: freed before attention
