@@ -319,10 +319,15 @@ def naive_reformer(q, v, mask, bucket_size, rounds, rotation):
     return out
 
 
-def test_reformer_with_several_chunks_and_hashes_is_its_definition():
+def chunked_reformer():
+    """Two hash rounds over 16 positions in chunks of 4 (nb = 4 buckets), the second row padded after 11."""
     q, k, v = qkv(16)
     mask = padded_mask(16, real=(16, 11))
-    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    return build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2)), q, k, v, mask
+
+
+def test_reformer_with_several_chunks_and_hashes_is_its_definition():
+    attn, q, k, v, mask = chunked_reformer()
     torch.manual_seed(5)
     out = attn(q, k, v, mask)
     torch.manual_seed(5)  # the same rotation: (h, d, rounds, nb/2), nb = 4 chunks per round
@@ -334,9 +339,7 @@ def test_reformer_with_several_chunks_and_hashes_is_its_definition():
 
 def test_reformer_hashes_afresh_in_training_and_the_same_way_in_every_evaluation():
     # A dev score or test prediction must not depend on torch's RNG state or on an example's batch mates.
-    q, k, v = qkv(16)
-    mask = padded_mask(16, real=(16, 11))
-    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    attn, q, k, v, mask = chunked_reformer()
     torch.manual_seed(0)
     first = attn(q, k, v, mask)
     assert not torch.allclose(attn(q, k, v, mask), first)  # training: a new rotation each forward
@@ -346,6 +349,10 @@ def test_reformer_hashes_afresh_in_training_and_the_same_way_in_every_evaluation
     evaluated = attn(q, k, v, mask)
     torch.manual_seed(1)
     torch.testing.assert_close(attn(q, k, v, mask), evaluated, rtol=0, atol=0)
+    expected = naive_reformer(q, v, mask, 4, 2, attn.rotation((H, D, 2, 2), q.device, q.dtype))
+    real = mask.bool()
+    torch.testing.assert_close(evaluated.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10,
+                               atol=1e-12)
     for i in range(B):  # each example alone gives what it gave in the batch
         torch.testing.assert_close(attn(q[i:i + 1], k[i:i + 1], v[i:i + 1], mask[i:i + 1]), evaluated[i:i + 1],
                                    rtol=1e-12, atol=1e-12)
