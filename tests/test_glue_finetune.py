@@ -124,6 +124,16 @@ def test_regression_on_sts_b_reduces_the_loss_and_correlates(real_model_dir):
     assert result["submission"] == []
 
 
+def test_sts_b_dev_subset_with_one_label_is_refused_before_training(real_model_dir):
+    # Correlations of one label are undefined: every epoch would score NaN and the run be recorded as diverged.
+    settings = FinetuneSettings(task="STS-B", checkpoint=0, epochs=1, max_train_examples=8, max_eval_examples=1,
+                                progress=False)
+    with pytest.raises(SettingsError, match=r"STS-B dev: the 1 dev example scored have one label .*"
+                                            r"--max-eval-examples 1"):
+        finetune(real_model_dir, settings, log=quiet)
+    assert not (run_dir(real_model_dir / "model", settings) / "result.json").exists()
+
+
 def test_three_class_task_with_two_dev_splits_writes_mnli_and_ax_submissions(fixture_model_dir):
     settings = FinetuneSettings(task="MNLI", checkpoint=0, lr=1e-3, batch_size=2, epochs=2, progress=False)
     messages = []

@@ -398,6 +398,14 @@ def load_task_data(cfg, task: Task, settings: FinetuneSettings, tokenizer, max_s
     dev_examples = {split: subsample(_load_examples(cfg.glue_dir, task, split, log, skipped_rows),
                                      settings.max_eval_examples)
                     for split in task.dev}
+    if task.is_regression:
+        for split, examples in dev_examples.items():
+            labels = {e.label for e in examples}
+            if len(labels) < 2:  # Pearson and Spearman are undefined: every epoch would score NaN, as if diverged
+                raise SettingsError(f"{task.name} {split}: the {_count(len(examples), 'dev example')} scored have "
+                                    f"{'one label' if labels else 'no label'} {' '.join(map(str, labels))}, so its "
+                                    f"correlations are undefined; evaluate on more (--max-eval-examples "
+                                    f"{settings.max_eval_examples})")
     collate = collator(cfg.model, tokenizer, task, max_seq_len)
     with_token_types = cfg.model.num_sen_type > 1
     encode = lambda examples: EncodedDataset(examples, tokenizer, max_seq_len, with_token_types)  # noqa: E731
