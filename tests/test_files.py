@@ -132,6 +132,24 @@ def test_a_hand_edited_split_index_entry_is_an_error_naming_the_file_and_entry(t
         ShardedSequences(tmp_path, "train")
 
 
+def test_an_entry_appended_after_a_torn_last_line_is_whole_and_the_fragment_is_removed(tmp_path, capsys):
+    # A kill while the last line was written leaves it without its newline; the rerun's next entry must not be
+    # glued onto it (both would be unreadable).
+    from nystromformer import jsonlog
+    log = tmp_path / "pretrain_output.log"
+    whole = json.dumps({"type": "train", "step": 1}) + "\n"
+    log.write_text(whole + '{"type": "dev", "epo')
+    writer = jsonlog.JsonLog(log)
+    writer.write(type="dev", epoch=0, step=1, loss=4.0)
+    writer.write(type="train", step=2)
+    assert "removed a torn last line (20 bytes: " in capsys.readouterr().err
+    assert [e["type"] for e in jsonlog.read(log)] == ["train", "dev", "train"]
+    assert capsys.readouterr().err == ""  # every line parses now
+    log.write_text(whole)
+    jsonlog.JsonLog(log).write(type="train", step=2)  # a whole last line is left as it is
+    assert log.read_text() == whole + json.dumps({"type": "train", "step": 2}) + "\n"
+
+
 def test_rewriting_the_training_log_on_resume_is_atomic(tmp_path, monkeypatch):
     from nystromformer import jsonlog
     log = tmp_path / "pretrain_output.log"

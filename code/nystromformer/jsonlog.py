@@ -6,6 +6,7 @@ parse (and say so) instead of refusing to resume or plot.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Union
@@ -39,6 +40,7 @@ class JsonLog:
 
     def __init__(self, path: Path, enabled: bool = True):
         self.path, self.enabled = Path(path), enabled
+        self._tail_checked = False
 
     def truncate_after(self, step: int) -> None:
         if not self.enabled or not self.path.is_file():
@@ -48,5 +50,30 @@ class JsonLog:
 
     def write(self, **entry) -> None:
         if self.enabled:
+            if not self._tail_checked:
+                self._remove_torn_tail()
+                self._tail_checked = True
             with open(self.path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
+
+    def _remove_torn_tail(self) -> None:
+        """An earlier process killed mid-write left a last line without its newline: appended to, it would glue
+        the next entry onto the fragment and lose both. The fragment is cut (it never parses) and named."""
+        if not self.path.is_file():
+            return
+        with open(self.path, "r+b") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(0)
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        fragment = data[keep:keep + 60].decode("utf-8", "replace")
+        print(f"warning: {self.path}: removed a torn last line ({len(data) - keep} bytes: {fragment!r}...), left "
+              f"by a process stopped while writing it", file=sys.stderr)
