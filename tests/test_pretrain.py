@@ -377,6 +377,19 @@ def test_sigterm_or_ctrl_c_finishes_the_step_writes_a_checkpoint_and_the_rerun_c
     assert [s for s, _ in losses(folder)] == list(range(1, stopped + 3))
 
 
+def test_a_checkpoint_from_a_node_with_more_gpus_restores_the_rng_of_those_this_node_has(monkeypatch):
+    # A run saved on 8 GPUs resumed on 1: each present GPU gets its saved state, the others' are not an error
+    # (torch.cuda.set_rng_state_all would index GPUs this node lacks). No GPU here: torch.cuda's calls recorded.
+    from nystromformer.resume import rng_state, set_rng_state
+    state = {**rng_state(), "cuda": [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((int(s[0]), device)))
+    set_rng_state(state)
+    assert restored == [(0, 0)]
+
+
 def test_from_cp_warm_starts_a_longer_model_by_tiling_position_embeddings(tmp_path):
     write_synthetic_data(tmp_path / "data128", seq_len=128, num_train=32, num_dev=8)
     write_synthetic_data(tmp_path / "data512", seq_len=512, num_train=16, num_dev=8)
@@ -401,6 +414,12 @@ def test_from_cp_warm_starts_a_longer_model_by_tiling_position_embeddings(tmp_pa
     for block in range(4):
         assert torch.equal(new[2 + 128 * block: 2 + 128 * (block + 1)], old[2:])
 
+    # A first attempt killed before any checkpoint logged its warm start (from another from_cp, edited since):
+    # the fresh start redoes it, and the log names only the checkpoint used.
+    (long / "model").mkdir()
+    (long / "model" / "pretrain_output.log").write_text(
+        json.dumps({"type": "warm_start", "step": 0, "checkpoint": "an-earlier-from_cp.model"}) + "\n"
+        + json.dumps({"type": "train", "step": 1, "loss": 5.0}) + "\n")
     assert run(long, stop_at_step=1) == PREEMPTED_EXIT_CODE
     warm = read_log(long / "model" / "pretrain_output.log", "warm_start")
     assert len(warm) == 1 and warm[0]["checkpoint"].endswith("cp-0000.model")
@@ -767,6 +786,33 @@ def test_with_fp16_loss_scaling_an_overflowing_step_is_skipped_logged_and_the_ru
     state = checkpoint.load(folder / "model" / "cp-0001.cp")
     assert state["scaler_state_dict"]["scale"] < 2.0 ** 16  # halved by the overflow (its default start: 2^16)
     assert all(torch.isfinite(w).all() for w in state["model_state_dict"].values())
+
+
+def test_with_fp16_a_run_of_skipped_steps_that_spans_a_resume_is_still_a_divergence(tmp_path, data, fp16_on_cpu,
+                                                                                       monkeypatch):
+    # The count of skipped steps in a row is in the checkpoint: a stop in the middle of the run of them must not
+    # reset it (the resumed run would go on past a divergence, and name the wrong first bad step).
+    from nystromformer.pretrain import PretrainRun
+    queue, forward, current = PretrainRun.queue_step, NystromformerForMaskedLM.forward, {}
+    bad = range(3, 3 + MAX_CONSECUTIVE_SKIPPED_STEPS)
+
+    def queue_step(self):
+        current["step"] = self.step + 1
+        return queue(self)
+
+    def overflow_in_bad_steps(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return dataclasses.replace(out, loss_sum=out.loss_sum * float("inf")) if current["step"] in bad else out
+    monkeypatch.setattr(PretrainRun, "queue_step", queue_step)
+    monkeypatch.setattr(NystromformerForMaskedLM, "forward", overflow_in_bad_steps)
+    folder = model_dir(tmp_path, pretraining_setting={"batches_per_epoch": 4, "epoch": 4,
+                                                      "validate_batches_per_epoch": 0},
+                       gpu_setting={"inst_per_gpu": 16})
+    assert run(folder, stop_at_step=6) == PREEMPTED_EXIT_CODE  # steps 3 to 6 skipped
+    assert checkpoint.load(folder / "model" / "step-00000006.cp")["nonfinite_consecutive"] == 4
+    with pytest.raises(TrainingDiverged, match=rf"not finite at {MAX_CONSECUTIVE_SKIPPED_STEPS} steps in a row "
+                                               rf"\(3 to {bad[-1]};"):
+        run(folder)
 
 
 def test_with_fp16_a_dev_evaluation_that_overflows_is_measured_again_in_fp32(tmp_path, data, fp16_on_cpu,

@@ -297,6 +297,7 @@ class PretrainRun:
         if state["scaler_state_dict"] and self.scaler.is_enabled():  # empty when saved by a bf16 or CPU run
             self.scaler.load_state_dict(state["scaler_state_dict"])
         set_rng_state(state["rng_state"])
+        self.nonfinite.consecutive = state.get("nonfinite_consecutive", 0)  # not in checkpoints before 2026-11-29
         self.step = step = state["step"]
         finished = step >= self.total_steps
         if not finished:
@@ -335,7 +336,7 @@ class PretrainRun:
                 checkpoint.load_pretrained_weights(self.model, source, cfg.model.max_seq_len, log=self.say)
             except checkpoint.CheckpointError as e:
                 raise checkpoint.CheckpointError(f"{cfg.config_file}: {e} (from_cp: {source})") from None
-        self.log.truncate_after(0)
+        self.log.truncate_after(-1)  # an earlier attempt's entries (its warm_start too): this start redoes them all
         if source is not None:
             self.log.write(type="warm_start", step=0, checkpoint=str(source))
 
@@ -360,7 +361,9 @@ class PretrainRun:
         return {"model_state_dict": self.model.state_dict(), "optimizer_state_dict": self.optimizer.state_dict(),
                 "scheduler_state_dict": self.scheduler.state_dict(), "scaler_state_dict": self.scaler.state_dict(),
                 "rng_state": rng_state(), "epoch": max(step - 1, 0) // ps.batches_per_epoch, "step": step,
-                "inst_pass": step * ps.batch_size, "config": self.cfg.to_dict(), "data": self.data_id}
+                "inst_pass": step * ps.batch_size, "config": self.cfg.to_dict(), "data": self.data_id,
+                # fp16's skipped steps in a row up to this one: a run of them may span the checkpoint
+                "nonfinite_consecutive": self.nonfinite.consecutive}
 
     def queue_step(self) -> QueuedStep:
         """Prepare batch ``self.step`` + 1 and queue its forward, backward and optimizer step; nothing waits for the

@@ -33,14 +33,18 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """(Every training step reseeds from the seed and its number: this restores only what runs before it.) The
+    saving machine may have had more or fewer GPUs than this one: each present gets its own saved state, if any."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for index, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 # Keys that may change between a run and its resumption: they do not change what is computed (inst_per_gpu: for
 # Nyström slightly, through the pinv init's batch-wide scale; allowed so that a run can move to a smaller GPU;
-# rows_per_pass: not even that, the init's max stays over each inst_per_gpu rows).
+# rows_per_pass: to rounding without dropout, the init's max staying over each inst_per_gpu rows; with dropout
+# its masks are drawn per pass, so differently — the same distribution, not the same draws).
 RESUME_MAY_CHANGE = {
     "model": {"attention_grad_checkpointing", "gelu_grad_checkpointing", "mixed_precision", "weight_init"},
     "pretraining_setting": {"batches_per_report", "validate_batches_per_epoch", "keep_resume_checkpoints"},
