@@ -1325,6 +1325,26 @@ def test_plot_draws_the_loss_and_the_accuracy_of_each_log_in_their_panels(tmp_pa
     assert panels == {"MLM loss": [[4.0], [3.0]], "MLM accuracy": [[0.1], [0.2]]}  # train, then dev
 
 
+def test_plot_draws_every_run_in_its_own_colour_beyond_the_default_ten(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    drawn, plot = [], Axes.plot
+
+    def record(self, x, y, *args, **kwargs):
+        drawn.append((kwargs["label"].split()[0] if "label" in kwargs else None, str(kwargs["color"])))
+        return plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    logs = {}
+    for run_number in range(12):
+        logs[f"run{run_number}"] = tmp_path / f"{run_number}.log"
+        logs[f"run{run_number}"].write_text(json.dumps({"type": "train", "step": 1, "loss": 4.0, "mlm_accu": 0.1}))
+    plots.plot_pretraining(logs, tmp_path / "c.png")
+    labelled = {label: colour for label, colour in drawn if label}
+    assert sorted(labelled) == sorted(logs) and len(set(labelled.values())) == 12
+
+
 def test_a_change_to_the_first_or_last_row_of_any_training_shard_refuses_the_resume(tmp_path, data):
     # Only the first and last rows of each shard are read (resume.py): a change there, in any shard (the last one
     # included), is other data.

@@ -24,7 +24,7 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for (label, path), colour in zip(logs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    for (label, path), colour in zip(logs.items(), run_colours(len(logs))):
         train, dev = plotted_entries(path)
         if train:
             steps, losses = [e["step"] for e in train], [e["loss"] for e in train]
@@ -39,14 +39,26 @@ def plot_pretraining(logs: Dict[str, Path], output: Path) -> Path:
                         label=f"{label} dev")
     ax_loss.set(xlabel="step", ylabel="MLM loss", title="MLM loss")
     ax_acc.set(xlabel="step", ylabel="MLM accuracy", title="MLM accuracy (dev: points)")
-    ax_loss.legend()
-    ax_acc.legend()
+    for axes in (ax_loss, ax_acc):
+        if axes.get_legend_handles_labels()[0]:  # (the accuracy panel has none for logs without dev points)
+            axes.legend()
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     with atomic.atomic_open(output, "wb") as f:
         fig.savefig(f, format=output.suffix.lstrip(".").lower() or "png", dpi=100)  # as savefig(path) infers
     plt.close(fig)
     return output
+
+
+def run_colours(count: int) -> list:
+    """One colour per run: matplotlib's default cycle (10 colours), else evenly spaced along a colormap — a zip
+    with the cycle alone left every run after the tenth out of the figure."""
+    import matplotlib.pyplot as plt
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if count <= len(cycle):
+        return cycle[:count]
+    colormap = plt.get_cmap("turbo")
+    return [colormap(i / (count - 1)) for i in range(count)]
 
 
 PLOTTED_KEYS = ("step", "loss", "mlm_accu")
