@@ -37,6 +37,33 @@ def test_every_unvalidated_checkpoint_is_validated_once_and_logged(trained):
     assert all({"loss", "mlm_accu", "num_sequences"} <= set(e) for e in log)
 
 
+def test_a_checkpoint_rewritten_by_a_new_run_is_validated_again_and_its_line_replaced(trained, capsys):
+    # A fresh run in the same folder (the old cp-* and pretrain_output.log moved away, as pretraining asks) writes
+    # other weights under the same names: the log's lines for the old weights must not count as done.
+    cfg = load_config(trained)
+    old = validate(cfg)
+    for path in list((trained / "model").glob("cp-*")) + [trained / "model" / "pretrain_output.log"]:
+        path.unlink()
+    config = json.loads((trained / "config.json").read_text())
+    config["pretraining_setting"]["learning_rate"] = 1e-2
+    (trained / "config.json").write_text(json.dumps(config))
+    assert pretrain(load_config(trained), show_progress=False) == 0
+    capsys.readouterr()
+    new = validate(load_config(trained))
+    assert [e["checkpoint"] for e in new] == ["cp-0000.model", "cp-0001.model"]
+    assert [e["fingerprint"] for e in new] != [e["fingerprint"] for e in old]
+    assert capsys.readouterr().out.count("other weights under this name") == 2
+    logged = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
+    assert [(e["checkpoint"], e["loss"]) for e in logged] == [(e["checkpoint"], e["loss"]) for e in new]
+    assert validate(load_config(trained)) == []
+
+
+def test_a_checkpoint_named_twice_is_measured_once(trained):
+    entries = validate(load_config(trained), epochs=[0, 0])
+    assert [e["checkpoint"] for e in entries] == ["cp-0000.model"]
+    assert len((trained / "model" / "validation_output.log").read_text().splitlines()) == 1
+
+
 def test_validation_matches_the_end_of_epoch_dev_evaluation(trained):
     cfg = load_config(trained)
     (entry,) = validate(cfg, epochs=[1])
@@ -58,7 +85,9 @@ def test_entries_of_an_earlier_dev_evaluation_are_measured_again_and_resuming_ov
     assert [e["checkpoint"] for e in again] == ["cp-0000.model", "cp-0001.model"]
     assert "2 entries were measured by an earlier dev evaluation" in capsys.readouterr().err
     assert len(log.read_text().splitlines()) == 4  # the old entries stay, the new ones beside them
-    assert validate(cfg) == []  # now measured with this evaluation
+    capsys.readouterr()
+    assert validate(cfg) == []  # now measured with this evaluation, and no more warning about the old entries
+    assert "earlier dev evaluation" not in capsys.readouterr().err
     # pretraining's own dev points: resuming over older ones says so
     pretrain_log = trained / "model" / "pretrain_output.log"
     entries = [json.loads(line) for line in pretrain_log.read_text().splitlines()]
@@ -81,8 +110,10 @@ def test_command_line_entry_points_agree(trained):
     cli = subprocess.run([sys.executable, "-m", "nystromformer.cli", "validate", "--model-dir", str(trained),
                           "--checkpoint", "0"], capture_output=True, text=True, cwd=REPO / "code")
     assert cli.returncode == 0, cli.stderr
-    lines = (trained / "model" / "validation_output.log").read_text().splitlines()
-    assert json.loads(lines[0])["loss"] == json.loads(lines[1])["loss"]
+    assert script.stdout.splitlines()[0] == cli.stdout.splitlines()[0]  # "cp-0000.model: dev loss ..."
+    assert "replaces its earlier line in validation_output.log" in cli.stdout and "the same weights" in cli.stdout
+    (line,) = (trained / "model" / "validation_output.log").read_text().splitlines()
+    assert json.loads(line)["checkpoint"] == "cp-0000.model"
 
 
 def test_dev_masks_do_not_depend_on_the_micro_batch_size(trained):
@@ -240,7 +271,9 @@ def test_validation_reports_the_commonest_token_bar_and_says_when_a_model_does_n
                 f"it: the model has not learnt, or has collapsed, to one token), 32 sequences") in \
             capsys.readouterr().out
     logged = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
-    assert [e["commonest_token_accu"] for e in logged] == [bar] * 3
+    # one line for the checkpoint, its latest measurement (each rewrite of the file replaced the line before)
+    assert [(e["checkpoint"], e["mlm_accu"], e["commonest_token_accu"]) for e in logged] == [
+        ("cp-0001.model", counts.most_common()[-1][1] / masked, bar)]
 
 
 def test_a_checkpoint_folder_validation_cannot_write_to_is_refused_before_any_evaluation(trained, monkeypatch):

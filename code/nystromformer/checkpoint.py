@@ -10,8 +10,10 @@ Every write is atomic; every load uses ``weights_only=True`` (no arbitrary unpic
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -132,6 +134,22 @@ def load_newest_resumable(checkpoint_dir: Path, batches_per_epoch: int, log=say)
 def available_models(checkpoint_dir: Path) -> List[int]:
     return sorted(int(m.group(1)) for p in Path(checkpoint_dir).glob("cp-*.model")
                   if (m := EPOCH_MODEL.match(p.name)))
+
+
+def fingerprint(path: Union[str, Path]) -> str:
+    """What a checkpoint file holds, read cheaply: torch.save writes a zip whose central directory (at the end,
+    read without the records) lists every record's name, size and CRC-32, so other weights under the same name
+    give another fingerprint. A file that is not a zip is hashed whole."""
+    digest = hashlib.sha256()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                digest.update(f"{info.filename}\0{info.file_size}\0{info.CRC}\n".encode())
+    except zipfile.BadZipFile:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def find_model(checkpoint_dir: Path, epoch: int) -> Path:

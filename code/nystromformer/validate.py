@@ -9,7 +9,7 @@ import argparse
 import json
 import math
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 
 from . import atomic, checkpoint, jsonlog
@@ -29,18 +29,48 @@ LOG_NAME = "validation_output.log"
 VALIDATION_KEYS = {"model": None, "pretraining_setting": {"mask_prob", "seed"}}
 
 
-def validated_checkpoints(cfg: Config) -> set:
+def current_entries(cfg: Config) -> Dict[str, dict]:
+    """The validation log's entries measured by this dev evaluation (DEV_EVAL_VERSION), by checkpoint name."""
     path = cfg.checkpoint_dir / LOG_NAME
     if not path.is_file():
-        return set()
-    return {e["checkpoint"] for e in jsonlog.read(path)
+        return {}
+    return {e["checkpoint"]: e for e in jsonlog.read(path)
             if "checkpoint" in e and e.get("eval_version") == DEV_EVAL_VERSION}
 
 
+def validated_checkpoints(cfg: Config) -> set:
+    """Checkpoint names whose entry measured the weights the file holds now: a run started afresh in the same
+    folder writes other weights under the same names (entries before 2026-11-29 have no fingerprint: by name)."""
+    return {name for name, e in current_entries(cfg).items()
+            if "fingerprint" not in e or not (cfg.checkpoint_dir / name).is_file()
+            or e["fingerprint"] == checkpoint.fingerprint(cfg.checkpoint_dir / name)}
+
+
 def older_entries(cfg: Config) -> int:
-    """Entries of the validation log measured by an earlier dev evaluation (another DEV_EVAL_VERSION)."""
+    """Entries of the validation log measured by an earlier dev evaluation (another DEV_EVAL_VERSION) whose
+    checkpoint this evaluation has not measured yet."""
     path = cfg.checkpoint_dir / LOG_NAME
-    return sum(e.get("eval_version") != DEV_EVAL_VERSION for e in jsonlog.read(path)) if path.is_file() else 0
+    if not path.is_file():
+        return 0
+    measured = current_entries(cfg)
+    return sum(e.get("eval_version") != DEV_EVAL_VERSION and e.get("checkpoint") not in measured
+               for e in jsonlog.read(path))
+
+
+def record(cfg: Config, entry: dict) -> Optional[dict]:
+    """Log ``entry``: one line per checkpoint and dev evaluation, so a checkpoint measured again (named by
+    --checkpoint, or rewritten by a new run) replaces its line, rewritten atomically. Returns the replaced one."""
+    path = cfg.checkpoint_dir / LOG_NAME
+    entries = jsonlog.read(path) if path.is_file() else []
+    same = [i for i, e in enumerate(entries)
+            if e.get("checkpoint") == entry["checkpoint"] and e.get("eval_version") == DEV_EVAL_VERSION]
+    if not same:
+        JsonLog(path).write(**entry)
+        return None
+    replaced = entries[same[0]]
+    kept = [entry if i == same[0] else e for i, e in enumerate(entries) if i == same[0] or i not in same]
+    atomic.write_text(path, "".join(json.dumps(e) + "\n" for e in kept))
+    return replaced
 
 
 def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Optional[int] = None,
@@ -69,6 +99,7 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
                 f"first rows, one corpus); their checkpoints are measured again and the new entries added beside them")
         epochs = [e for e in checkpoint.available_models(cfg.checkpoint_dir)
                   if checkpoint.model_path(cfg.checkpoint_dir, e).name not in done]
+    epochs = list(dict.fromkeys(epochs))  # --checkpoint 3 --checkpoint 3 measures it once
     atomic.check_writable_folder(cfg.checkpoint_dir, LOG_NAME)
     results, diverged = [], []
     model = NystromformerForMaskedLM(cfg.model).to(rt.device)
@@ -90,10 +121,17 @@ def validate(cfg: Config, epochs: Optional[List[int]] = None, num_sequences: Opt
             diverged.append(path.name)
             continue
         entry = {"checkpoint": path.name, "epoch": epoch, **metrics, "time": time.perf_counter() - t0,
+                 "fingerprint": checkpoint.fingerprint(path),
                  **({"precision": "fp32 (fp16 overflowed)"} if redone else {})}
-        JsonLog(cfg.checkpoint_dir / LOG_NAME).write(**entry)
+        replaced = record(cfg, entry)
         print(f"{path.name}: dev loss {entry['loss']:.4f}, MLM accuracy {entry['mlm_accu']:.4f}"
               f"{accuracy_note(entry)}, {entry['num_sequences']} sequences")
+        if replaced is not None:
+            before = replaced.get("fingerprint")
+            weights = ("measured again" if before is None else "the same weights" if before == entry["fingerprint"]
+                       else "other weights under this name")
+            print(f"  (replaces its earlier line in {LOG_NAME}: dev loss {replaced.get('loss')}, "
+                  f"{replaced.get('num_sequences')} sequences; {weights})")
         results.append(entry)
     if diverged:
         raise UserError(f"{', '.join(diverged)} in {cfg.checkpoint_dir}: the dev loss is not finite (the weights "
