@@ -664,12 +664,16 @@ def test_an_export_killed_mid_way_is_cleaned_up_or_restored_by_the_next(tmp_path
     half = tmp_path / f".hf.def{STAGING_SUFFIX}"  # and a half-written new one
     half.mkdir()
     (half / "config.json").write_text("{")
+    # another output's ("hf.v2"), whose names start the same way: not this export's to remove or restore
+    others = [f".hf.v2.ghi{STAGING_SUFFIX}", f".hf.v2.jkl{STAGING_SUFFIX}.old"]
+    for name in others:
+        (tmp_path / name).mkdir()
     logs = []
     with pytest.raises(InteropError, match="--overwrite"):  # the restored export still needs --overwrite
         export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == files
     assert any("restoring" in line for line in logs) and any("removing" in line for line in logs)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == others + ["hf", "m"]
 
 
 def test_a_folder_named_like_a_temporary_file_in_the_checkpoint_folder_is_left_alone(tmp_path):

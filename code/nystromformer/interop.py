@@ -355,8 +355,10 @@ def check_export_output(output: Path, overwrite: bool) -> None:
 def _remove_stale_staging(output: Path, log: Callable[[str], None]) -> None:
     """Folders an export killed mid-way left beside ``output``: a half-written new export (removed), or the
     previous export moved aside just before the new one was renamed in (put back when ``output`` is missing)."""
+    # mkdtemp's random part has no dot: ".hf.<random>.export-staging" is hf's, ".hf.v2.<random>..." hf.v2's.
+    own = re.compile(rf"\.{re.escape(output.name)}\.[a-z0-9_]+{re.escape(STAGING_SUFFIX)}(\.old)?")
     for path in sorted(output.parent.glob(f".{glob.escape(output.name)}.*{STAGING_SUFFIX}*")):
-        if not path.is_dir():
+        if not path.is_dir() or not own.fullmatch(path.name):
             continue
         if path.name.endswith(".old") and not output.exists():
             log(f"note: restoring {output} from {path.name} (an export killed while replacing it)")
