@@ -313,20 +313,26 @@ def test_glue_weights_export_as_sequence_classification(tmp_path, num_labels):
     torch.testing.assert_close(got.squeeze(-1) if num_labels == 1 else got, expected, atol=ATOL, rtol=0)
 
 
-def hf_roberta(tmp_path):
+def hf_roberta(tmp_path, pad_token_id=1):
+    # RoBERTa's positions run from pad_token_id + 1: SEQ of them after the pad's row
     config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, max_position_embeddings=SEQ + 2, type_vocab_size=1,
-                                        layer_norm_eps=1e-5, pad_token_id=1, hidden_act="gelu")
+                                        intermediate_size=64, max_position_embeddings=SEQ + pad_token_id + 1,
+                                        type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=pad_token_id,
+                                        hidden_act="gelu")
     roberta = randomize(transformers.RobertaForMaskedLM(config))
     roberta.save_pretrained(str(tmp_path / "roberta"))
     return roberta, tmp_path / "roberta"
 
 
-def test_roberta_weights_initialise_a_softmax_model_that_computes_roberta(tmp_path):
-    roberta, src = hf_roberta(tmp_path)
-    import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax", "max_seq_len": SEQ}, log=lambda s: None)
+@pytest.mark.parametrize("pad_token_id", [1, 0, 3])  # 1: RoBERTa's own; others number positions from elsewhere
+def test_roberta_weights_initialise_a_softmax_model_that_computes_roberta(tmp_path, pad_token_id):
+    roberta, src = hf_roberta(tmp_path, pad_token_id)
+    logs = []
+    import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax", "max_seq_len": SEQ}, log=logs.append)
     model = load_imported(tmp_path / "ours")
-    ids = token_ids()  # no pad tokens: RoBERTa's positions are 2..n+1, as ours
+    assert any("positions start at row" in line for line in logs) == (pad_token_id != 1)
+    ids = token_ids()  # no pad tokens: RoBERTa's positions are pad_token_id + 1 on, ours 2 on
+    assert not (ids == pad_token_id).any()
     with torch.no_grad():
         torch.testing.assert_close(model.logits(ids), roberta(ids).logits, atol=ATOL, rtol=0)
 

@@ -497,7 +497,25 @@ def model_config_from_roberta(hf_cfg: dict, base: ModelConfig, log: Callable[[st
         embedding_dim=hidden, transformer_dim=hidden, transformer_hidden_dim=hf_cfg["intermediate_size"],
         num_layers=hf_cfg["num_hidden_layers"], dropout_prob=hf_cfg.get("hidden_dropout_prob", 0.1),
         num_head=heads, head_dim=hidden // heads, layer_norm_eps=hf_cfg.get("layer_norm_eps", 1e-5),
-        pad_token_id=hf_cfg.get("pad_token_id", 1), pre_layer_norm=False)  # RoBERTa is post-LayerNorm
+        pad_token_id=1 if hf_cfg.get("pad_token_id") is None else hf_cfg["pad_token_id"],
+        pre_layer_norm=False)  # RoBERTa is post-LayerNorm
+
+
+def _from_roberta_positions(table: torch.Tensor, pad_token_id: int, log: Callable[[str], None]) -> torch.Tensor:
+    """RoBERTa numbers a sequence's positions from pad_token_id + 1 (2 with its usual pad id 1); ours from
+    POSITION_OFFSET whatever the pad id: RoBERTa's rows moved so that our first position reads its first's."""
+    first = pad_token_id + 1
+    if first == POSITION_OFFSET:
+        return table
+    log(f"note: RoBERTa's positions start at row {first} (pad_token_id {pad_token_id} + 1); moved to row "
+        f"{POSITION_OFFSET}, where this model's positions start")
+    return torch.cat([table.new_zeros(POSITION_OFFSET, table.shape[1]), table[first:]])  # rows below: never used
+
+
+def roberta_length(hf_cfg: dict) -> int:
+    """The positions a RoBERTa model has: those after its pad_token_id."""
+    pad = hf_cfg.get("pad_token_id")
+    return hf_cfg["max_position_embeddings"] - ((1 if pad is None else pad) + 1)
 
 
 def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, family: str,
@@ -521,6 +539,8 @@ def from_hf_state_dict(hf_state: Dict[str, torch.Tensor], mc: ModelConfig, famil
             unmapped.append(k)
         if name in hf_state:
             w = hf_state[name]
+            if k == checkpoint.POSITION_KEY and family == "roberta":
+                w = _from_roberta_positions(w, mc.pad_token_id, log)
             if k == checkpoint.POSITION_KEY and w.shape[0] > v.shape[0]:
                 w = w[:v.shape[0]]  # positions 2..max_seq_len+1 use the first rows only
             elif k == checkpoint.POSITION_KEY and w.shape[0] < v.shape[0]:
@@ -640,7 +660,7 @@ def import_hf(input_dir: PathLike, model_dir: PathLike, match_transformers: bool
     elif family in ("roberta", "xlm-roberta"):
         family = "roberta"
         mc = model_config_from_roberta(hf_cfg, base_cfg.model, log)
-        roberta_len = hf_cfg["max_position_embeddings"] - POSITION_OFFSET
+        roberta_len = roberta_length(hf_cfg)
         if mc.max_seq_len % roberta_len and mc.max_seq_len > roberta_len:
             raise InteropError(f"model.max_seq_len {mc.max_seq_len} must be a multiple of RoBERTa's length "
                                f"{roberta_len} (or at most it) to tile its position embeddings")
