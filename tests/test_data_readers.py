@@ -110,6 +110,36 @@ def test_realnews_keeps_articles_of_1000_words_and_counts_bad_lines(tmp_path):
     assert where == {"bad_json": f"{jsonl}:3", "missing_text": f"{jsonl}:4", "undecodable_bytes": f"{jsonl}:5"}
 
 
+def test_realnews_lines_python_cannot_parse_or_encode_are_skipped_and_named_not_fatal(tmp_path):
+    # Valid JSON that still cannot become UTF-8 text (a lone surrogate escape, half an emoji), and JSON beyond
+    # Python's parser (a 5000-digit number, deep nesting): skipped and counted like any bad line.
+    good = json.dumps({"text": "a whole article"})
+    jsonl = tmp_path / "news.jsonl"
+    jsonl.write_text("\n".join([good, '{"text": "emoji cut \\ud83d here"}', '{"n": ' + "9" * 5000 + "}",
+                                 "[" * 100_000, good]) + "\n")
+    skips = SkipLog()
+    assert list(realnews_documents([jsonl], skips)) == ["a whole article"] * 2
+    assert skips.counts == {"lone_surrogate": 1, "bad_json": 2}
+    assert [e.split(": ")[0] for e in skips.examples["bad_json"]] == [f"{jsonl}:3", f"{jsonl}:4"]
+    assert skips.examples["lone_surrogate"][0].startswith(f"{jsonl}:2: ")
+
+
+def test_a_file_reached_by_two_overlapping_inputs_is_read_once(tmp_path, caplog):
+    (tmp_path / "AA").mkdir()
+    for name in ("wiki_00", "wiki_01"):
+        (tmp_path / "AA" / name).write_text("x")
+    files = expand_inputs([tmp_path, tmp_path / "AA" / "wiki_00"], "wiki_*")
+    assert files == [tmp_path / "AA" / "wiki_00", tmp_path / "AA" / "wiki_01"]
+    assert "wiki_00: already an input" in caplog.text
+
+
+def test_a_book_whose_only_line_is_undecodable_is_counted_once_as_such(tmp_path):
+    (tmp_path / "b.txt").write_bytes(b"bad \xff bytes only line\n")
+    skips = SkipLog()
+    assert list(bookcorpus_documents([tmp_path / "b.txt"], skips, document_per_file=True)) == []
+    assert skips.counts == {"undecodable_bytes": 1}
+
+
 @pytest.mark.parametrize("min_words", ["10", "0"])
 def test_min_words_is_configurable_and_zero_keeps_every_document(tmp_path, min_words):
     stats, documents = preprocess(tmp_path, "realnews", "--min-words", min_words)

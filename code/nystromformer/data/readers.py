@@ -43,15 +43,24 @@ class SkipLog:
 
 
 def expand_inputs(inputs: Sequence[Path], pattern: str = "*") -> List[Path]:
-    """Files named directly, plus the files matching ``pattern`` below each named folder, in sorted order."""
+    """Files named directly, plus the files matching ``pattern`` below each named folder, in sorted order. A file
+    reached twice (overlapping inputs: a folder and a file in it, a link) is read once, with a warning: read twice,
+    its documents would be in the corpus twice, possibly once in dev and once in train."""
     files: List[Path] = []
+    seen: Dict[Path, Path] = {}
     for path in map(Path, inputs):
         if path.is_dir():
-            files.extend(sorted(p for p in path.rglob(pattern) if p.is_file() and not p.name.startswith(".")))
+            found = sorted(p for p in path.rglob(pattern) if p.is_file() and not p.name.startswith("."))
         elif path.is_file():
-            files.append(path)
+            found = [path]
         else:
             raise FileNotFoundError(f"{path}: input does not exist")
+        for file in found:
+            first = seen.setdefault(file.resolve(), file)
+            if first is file:
+                files.append(file)
+            else:
+                log.warning("%s: already an input (as %s); read once", file, first)
     return files
 
 
@@ -152,8 +161,10 @@ def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
         if _is_empty(path, skips):
             continue
         sentences: List[str] = []
+        undecodable = False
         for _, line in _decoded_lines(path, skips):
             if line is None:
+                undecodable = True
                 continue  # that one sentence is dropped (and counted)
             if line.strip():
                 sentences.append(line)
@@ -164,7 +175,7 @@ def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
                 sentences = []
         if sentences:
             yield _join_paragraphs(sentences)
-        elif document_per_file:
+        elif document_per_file and not undecodable:  # (a book of undecodable lines only is counted as those)
             skips.skip("empty_file", str(path), "only whitespace")
 
 
@@ -198,12 +209,17 @@ def realnews_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                skips.skip("bad_json", f"{path}:{number}", str(e))
+            except (ValueError, RecursionError) as e:  # (JSONDecodeError; a 5000-digit number; [[[[... nested)
+                skips.skip("bad_json", f"{path}:{number}", f"{type(e).__name__}: {str(e)[:200]}")
                 continue
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 skips.skip("missing_text", f"{path}:{number}", "no string 'text' field")
+                continue
+            try:  # JSON's \ud83d escape alone (half an emoji, cut off by a scraper) is no text UTF-8 can hold
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                skips.skip("lone_surrogate", f"{path}:{number}", str(e))
                 continue
             yield _join_paragraphs(_split_lines(text))
 
