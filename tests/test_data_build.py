@@ -320,7 +320,10 @@ def test_an_interrupted_build_resumes_to_the_same_arrays_as_an_uninterrupted_one
     finished = {p: s for p, s in file_states(tmp_path / "resumed").items() if str(p).startswith("wiki--part-00000")}
     # Also lose one finished partition's manifest entry, as if the run died between its shards and its entry.
     (tmp_path / "resumed" / "manifest" / "wiki--part-00001.json").unlink()
+    # and a hard kill while writing one of its shards leaves the shard's temporary (up to ~128 MB at 4096)
+    (tmp_path / "resumed" / ".wiki--part-00001-train-00000.npy.k3j9x_ab.tmp").write_bytes(b"half a shard")
     build(partitions, trained_tokenizer, tmp_path / "resumed")
+    assert not list((tmp_path / "resumed").glob(".*.tmp"))
     for split in ("train", "dev"):
         assert np.array_equal(all_rows(tmp_path / "clean", split), all_rows(tmp_path / "resumed", split))
     after = file_states(tmp_path / "resumed")

@@ -136,6 +136,9 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     run_tokens = dev_run * DEV_RUN_UNIT
     for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
         old.unlink()
+    for stale in output.glob(f".{task.key}-*.npy.*.tmp"):  # a shard's temporary, left by a hard kill mid-write
+        if stale.is_file():
+            stale.unlink()
     shards: Dict[str, List[str]] = {"train": [], "dev": []}
     rows: Dict[str, List[np.ndarray]] = {"train": [], "dev": []}
     stats = {"documents": 0, "tokens": 0, "sequences": 0, "sequences_sampled_out": 0, "tokens_dropped_tail": 0,
