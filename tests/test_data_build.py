@@ -636,6 +636,30 @@ def test_a_model_folder_finds_its_tokenizer_beside_it_or_beside_its_data_whateve
         model_tokenizer(load_config(folder))
 
 
+def test_a_repository_mounted_elsewhere_still_finds_the_tokenizer_its_data_was_built_with(
+        partitions, trained_tokenizer, tmp_path):
+    # As with docker run -v "$PWD:/workspace": meta.json's absolute path is the host's; from the data folder, the
+    # tokenizer is where it was.
+    from helpers import tiny_config, write_model_dir
+    from nystromformer.config import ConfigError, load_config
+    from nystromformer.tokenizer import model_tokenizer
+    host = tmp_path / "host"
+    shutil.copytree(trained_tokenizer, host / "tokenizers" / "tok")
+    build(partitions, host / "tokenizers" / "tok", host / "data-preprocessing" / "32", datasets=("wiki",))
+    config = {**tiny_config(), "data_folder": "../data-preprocessing/32"}
+    config["model"]["vocab_size"] = 400
+    write_model_dir(host / "model", config)
+    meta = json.loads((host / "data-preprocessing" / "32" / "meta.json").read_text())
+    assert meta["tokenizer_relative"] == "../../tokenizers/tok"
+    mounted = host.rename(tmp_path / "workspace")
+    assert Path(model_tokenizer(load_config(mounted / "model"))).resolve() == mounted / "tokenizers" / "tok"
+    # A tokenizer outside what is mounted: say so, and which key to set.
+    shutil.rmtree(mounted / "tokenizers")
+    with pytest.raises(ConfigError, match=r"model/config.json: no \"tokenizer\" key, and the tokenizer folder the "
+                                          r"data was built with .* is not here \(tried .*\): set \"tokenizer\""):
+        model_tokenizer(load_config(mounted / "model"))
+
+
 def test_a_tokenizer_without_a_mask_token_cannot_pretrain(trained_tokenizer):
     tokenizer = load_tokenizer(trained_tokenizer)
     tokenizer.mask_token = None

@@ -61,13 +61,22 @@ def model_tokenizer(cfg) -> Union[Path, str]:
     if cfg.tokenizer is not None:
         return cfg.path(cfg.tokenizer)
     try:
-        name = read_meta(cfg.data_dir)["tokenizer"]
+        meta = read_meta(cfg.data_dir)
+        name = meta["tokenizer"]
     except (ShardError, KeyError) as e:
         raise ConfigError(f"{cfg.config_file}: no \"tokenizer\" key, and the data folder's meta.json cannot tell "
                           f"which tokenizer the model uses ({e})") from None
-    for candidate in (cfg.data_dir / name, Path(name).expanduser()):
+    # The folder as the build saw it, from the data folder (builds since 2026-11-29), then as recorded.
+    candidates = [cfg.data_dir / meta["tokenizer_relative"]] if meta.get("tokenizer_relative") else []
+    candidates += [cfg.data_dir / name, Path(name).expanduser()]
+    for candidate in candidates:
         if candidate.is_dir():
             return candidate
+    if Path(name).is_absolute():  # a folder on the machine that built the data, not here (a container, a copy)
+        tried = ", ".join(dict.fromkeys(str(c) for c in candidates))
+        raise ConfigError(f"{cfg.config_file}: no \"tokenizer\" key, and the tokenizer folder the data was built "
+                          f"with ({cfg.data_dir / 'meta.json'}) is not here (tried {tried}): set \"tokenizer\" to "
+                          f"its folder, relative to the model folder (in a container: a folder it mounts)")
     return name
 
 

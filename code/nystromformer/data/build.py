@@ -317,7 +317,10 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     meta = make_meta(seq_len, len(tok), tokenizer_identity(tokenizer), special_token_ids(tok),
                      datasets={d.name: d.ratio for d in datasets}, dev_fraction=dev_fraction, dev_run=dev_run,
                      dev_run_unit=DEV_RUN_UNIT, special_token_text="as text", seed=seed, shard_size=shard_size,
-                     **({"tokenizer_files_sha256": digest} if digest else {}))
+                     **({"tokenizer_files_sha256": digest,
+                         # also from the data folder: the same layout mounted elsewhere (docker's /workspace)
+                         "tokenizer_relative": os.path.relpath(os.path.abspath(tokenizer), os.path.abspath(output))}
+                        if digest else {}))
     _open_output(output, meta, tokenizer)
 
     pending = [t for t in tasks if not _finished(output, t)]
@@ -390,7 +393,7 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
         old.setdefault("dev_run_unit", old.get("max_seq_len", 2) - 2 if old["dev_run"] > 1 else "per sequence")
         # Built before corpus text spelling a special token was encoded as text (DocumentEncoder): as the id.
         old.setdefault("special_token_text", "as the special id")
-        identity = ("tokenizer", "tokenizer_files_sha256")
+        identity = ("tokenizer", "tokenizer_files_sha256", "tokenizer_relative")
         changed = [f"{k}: {json.dumps(old.get(k))} there, {json.dumps(new.get(k))} now"
                    for k in sorted(set(old) | set(new)) if k not in identity and old.get(k) != new.get(k)]
         if not same_tokenizer(str(old.get("tokenizer")), tokenizer, output):
