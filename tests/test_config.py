@@ -40,6 +40,8 @@ def with_change(section, key, value):
     (None, "model", [1, 2], "model: expected an object"),
     ("pretraining_setting", "learning_rate", float("inf"), "learning_rate: must be a finite number, got Infinity"),
     ("model", "dropout_prob", float("nan"), "model.dropout_prob: must be a finite number, got NaN"),
+    ("pretraining_setting", "max_grad_norm", 10 ** 400, "max_grad_norm: must be a finite number, got an integer of 401 "
+                                                        "digits"),  # beyond float: OverflowError, not this line
     (None, "from_cp", "", "from_cp: must be a non-empty path, or null"),
     ("pretraining_setting", "seed", -1, "pretraining_setting.seed: must be in [0, 2^63) (torch's seeds), got -1"),
     ("pretraining_setting", "seed", 2 ** 70, "pretraining_setting.seed: must be in [0, 2^63)"),

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
@@ -303,8 +304,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise TypeError(f"unsupported schema type {tp} for {key}")
     if not ok:
         raise ConfigError.of_key(key, f"expected {_type_name(tp)}, got {json.dumps(value)}")
-    if tp is float and not math.isfinite(value):  # Python's json reads Infinity and NaN
-        raise ConfigError.of_key(key, f"must be a finite number, got {json.dumps(value)}")
+    if tp is float and (abs(value) > sys.float_info.max if isinstance(value, int) else not math.isfinite(value)):
+        # Python's json reads Infinity and NaN, and integers of any length (which float() cannot take)
+        shown = json.dumps(value) if not isinstance(value, int) else f"an integer of {len(str(abs(value)))} digits"
+        raise ConfigError.of_key(key, f"must be a finite number, got {shown}")
     return float(value) if tp is float else value
 
 
