@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nystromformer.cli import main
+from nystromformer.config import ConfigError
 from nystromformer.lra import listops
 from nystromformer.lra.commands import add_train_arguments, run_train
 from nystromformer.lra.train import RunSettings, encode_splits, majority_accuracy, model_config, train_one
@@ -178,6 +179,11 @@ def test_lra_default_model_settings():
     # --set wins over the LRA settings of the attention type
     cfg = model_config("nystrom", s, {"num_landmarks": 32, "conv_kernel_size": 3})
     assert (cfg.num_landmarks, cfg.conv_kernel_size) == (32, 3)
+    # a shorter run shortens the defaults' sequence-sized settings, never a value given with --set
+    short = RunSettings(max_length=100)
+    assert model_config("linformer", short).linformer_k == 100
+    with pytest.raises(ConfigError, match=r"model.linformer_k: must be <= max_seq_len \(100\), got 5000"):
+        model_config("linformer", short, {"linformer_k": 5000})
 
 
 def test_tiny_listops_run_beats_majority_class():

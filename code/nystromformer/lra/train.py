@@ -109,11 +109,12 @@ def model_config(attn_type: str, s: RunSettings, overrides: Optional[dict] = Non
                  # as every LRA run in docs/results.md was made (the authors' LRA code is another codebase)
                  hidden_act="gelu", weight_init="bert")
     model.update(LRA_ATTENTION.get(attn_type, {}))
-    model.update(overrides or {})
-    # Keep sequence-sized hyper-parameters legal when a reduced run shortens the sequences.
+    # Keep the defaults' sequence-sized hyper-parameters legal when a reduced run shortens the sequences (a value
+    # given with --set is the user's: checked by the schema below, never changed).
     for key in ("linformer_k", "reformer_bucket_size"):
         if key in model and isinstance(model[key], int):
             model[key] = min(model[key], s.max_length)
+    model.update(overrides or {})
     return config_from_dict({"model": model}).model
 
 
