@@ -234,11 +234,15 @@ def test_seeds_run_each_type_once_per_seed_and_summarise(tmp_path):
                                                           ("linear", "1")]
     md = (tmp_path / "listops_results.md").read_text()
     assert "Over seeds" in md and "| softmax | 2 |" in md and "| linear | 2 |" in md
+    settings = json.loads(md.split("Settings: `")[1].split("`")[0])
+    assert settings["seeds"] == [0, 1] and "seed" not in settings  # the seeds run, not --seed's default
 
 
 @pytest.mark.parametrize("flags, named", [
     (["--seeds", "0,x"], "--seeds: expected comma-separated integers, got '0,x'"),
     (["--attn-types", "softmax,nystrm"], "--attn-types: unknown attention type(s) nystrm"),
+    (["--attn-types", "softmax,linear,softmax"], "--attn-types: softmax given more than once"),
+    (["--seeds", "3,1,3"], "--seeds: 3 given more than once"),  # one run twice: two "seeds" of spread 0
     (["--set", "num_landmarks=thirty"], "--set num_landmarks=thirty: the value must be JSON"),
     (["--set", "num_landmark=32"], "--set num_landmark=32: 'num_landmark' is not a model key"),
     (["--set", "model.foo=1"], "--set model.foo=1: 'foo' is not a model key"),

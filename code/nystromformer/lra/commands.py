@@ -127,6 +127,12 @@ def add_train_arguments(p):
     p.add_argument("--title", default="ListOps")
 
 
+def _refuse_repeats(flag: str, values: list) -> None:
+    repeated = [str(v) for i, v in enumerate(values) if v in values[:i]]
+    if repeated:
+        raise UserError(f"{flag}: {', '.join(dict.fromkeys(repeated))} given more than once")
+
+
 def train_plan(args) -> tuple[list[str], dict, RunSettings, list[int]]:
     """The runs ``args`` ask for — attention types, --set overrides, settings, seeds — each run's model checked, as
     a UserError naming the flag; nothing read or written, no device touched (also what a dry run of the
@@ -138,6 +144,7 @@ def train_plan(args) -> tuple[list[str], dict, RunSettings, list[int]]:
     if bad:
         raise UserError(f"--attn-types: unknown attention type(s) {', '.join(bad)} (known: "
                         f"{', '.join(ATTENTION_TYPES)})")
+    _refuse_repeats("--attn-types", names)
     overrides = {}
     for item in args.set:
         key, _, val = item.partition("=")
@@ -157,6 +164,7 @@ def train_plan(args) -> tuple[list[str], dict, RunSettings, list[int]]:
         seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [settings.seed]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    _refuse_repeats("--seeds", seeds)  # the same run twice would count as two seeds of spread 0
     for name in names:  # every run's settings checked before the first one trains
         try:
             model_config(name, settings, overrides)

@@ -224,7 +224,10 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
     for r in results:
         w.writerow({c: r[c] for c in cols})
     atomic.write_text(out_dir / "listops_results.csv", table.getvalue())  # rewritten after each run: never torn
-    lines = [f"## {title}", "", f"Settings: `{json.dumps(settings.__dict__)}`", "",
+    # the seeds the runs used (--seeds replaces --seed, which would name one that may not have run)
+    shown = {**{k: v for k, v in settings.__dict__.items() if k != "seed"},
+             "seeds": list(dict.fromkeys(r["seed"] for r in results))}
+    lines = [f"## {title}", "", f"Settings: `{json.dumps(shown)}`", "",
              f"Majority-class test accuracy: {100 * majority:.2f}%", "",
              "| attention | seed | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | params |",
              "|---|---|---|---|---|---|---|---|"]
