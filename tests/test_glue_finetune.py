@@ -409,6 +409,21 @@ def test_a_summary_compares_only_runs_made_with_the_sweep_s_settings_and_says_wh
     assert "epochs=2" in Path(summary["markdown"]).read_text() and summary["settings"]["epochs"] == 2
 
 
+def test_a_task_whose_every_run_diverged_is_left_out_of_the_average_and_named(tmp_path):
+    rte, cola = grid(["RTE", "CoLA"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    write_finished_run(tmp_path, rte, 0.6)
+    write_finished_run(tmp_path, cola, float("nan"))  # as a diverged run's result.json records it
+    summary = write_summary(tmp_path, [rte, cola], log=quiet)
+    assert summary["average"] == 0.6 and summary["average_tasks"] == ["RTE"] and summary["diverged_tasks"] == ["CoLA"]
+    assert summary["average_label"].endswith("left out, every run diverged: CoLA")
+    assert "over RTE (1 of 9 GLUE tasks" in Path(summary["markdown"]).read_text()
+    for settings in (rte, cola):
+        write_finished_run(tmp_path / "other", settings, float("nan"))
+    only_diverged = write_summary(tmp_path / "other", [rte, cola], log=quiet)
+    assert only_diverged["average"] is None
+    assert "No average: every run of CoLA, RTE diverged." in Path(only_diverged["markdown"]).read_text()
+
+
 def test_a_sweep_whose_runs_differ_beyond_task_lr_and_batch_size_is_refused(fixture_model_dir):
     runs = grid(["RTE"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
     runs.append(dataclasses.replace(runs[0], lr=2e-3, warmup=0.1))

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import queue
 import signal
@@ -329,11 +330,15 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     for row in rows:
         if row["task"] not in best_per_task or better_score(row["score"], best_per_task[row["task"]]["score"]):
             best_per_task[row["task"]] = row
-    # Tasks in GLUE's order; the average is over the tasks with a finished run.
+    # Tasks in GLUE's order; the average is over the tasks with a finished run whose best score is a number (a
+    # task whose every run diverged has NaN as its best: left out and named, or the average would be NaN).
     best_per_task = {t: best_per_task[t] for t in TASKS if t in best_per_task}
-    average = float(np.mean([r["score"] for r in best_per_task.values()])) if best_per_task else None
-    complete = len(best_per_task) == len(TASKS)
-    average_label = average_description(list(best_per_task))
+    scored = [t for t, r in best_per_task.items() if math.isfinite(r["score"])]
+    diverged_tasks = [t for t in best_per_task if t not in scored]
+    average = float(np.mean([best_per_task[t]["score"] for t in scored])) if scored else None
+    complete = len(scored) == len(TASKS)
+    average_label = average_description(scored) + (f"; left out, every run diverged: {', '.join(diverged_tasks)}"
+                                                   if diverged_tasks else "")
 
     columns = ["task", "checkpoint", "lr", "batch_size", "epochs", "best_epoch", "score", *metric_names, "run",
                "submission"]
@@ -362,6 +367,8 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
           *table(list(best_per_task.values())), ""]
     if average is not None:
         md += [f"**{average_label}**: {average * 100:.2f}", ""]
+    elif diverged_tasks:
+        md += [f"No average: every run of {', '.join(diverged_tasks)} diverged.", ""]
     md += ["## All configurations", "", *table(rows), ""]
     md += collect_submission(checkpoint_dir, results, best_per_task, out / "submission")
     atomic.write_text(out / "summary.md", "\n".join(md))
@@ -373,7 +380,7 @@ def write_summary(checkpoint_dir: Path, runs: List[FinetuneSettings], log: Calla
     log(f"sweep summary of {len(rows)} finished run(s) written to {out}; {state}")
     return {"dir": str(out), "csv": str(out / "summary.csv"), "markdown": str(out / "summary.md"),
             "plot": plot, "rows": rows, "settings": shared, "best_per_task": best_per_task, "average": average,
-            "average_tasks": list(best_per_task), "average_label": average_label,
+            "average_tasks": scored, "diverged_tasks": diverged_tasks, "average_label": average_label,
             "glue_average": average if complete else None}
 
 
