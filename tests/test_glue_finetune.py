@@ -373,7 +373,7 @@ def sweep_command(model_dir, *flags):
 def test_a_sweep_of_some_tasks_summarises_every_finished_run_and_names_the_tasks_it_averages(fixture_model_dir,
                                                                                             capsys):
     assert sweep_command(fixture_model_dir, "--tasks", "MRPC") == 0
-    assert sweep_command(fixture_model_dir, "--tasks", "QNLI") == 0
+    assert sweep_command(fixture_model_dir, "--tasks", "MRPC, QNLI") == 0  # (MRPC's run is done: skipped)
     out = capsys.readouterr().out
     [summary] = (fixture_model_dir / "model" / "glue").glob("sweep-0*")  # one summary (epochs 1: a hashed name)
     rows = (summary / "summary.csv").read_text().splitlines()[1:]
@@ -755,6 +755,8 @@ def test_a_single_sentence_task_needs_three_tokens_a_pair_task_six(tmp_path, cap
     (["--checkpoint", "0", "--lrs", "nan"], "--lr: must be a positive number, got nan"),
     (["--checkpoint", "0", "--max-seq-len", "192"], "--max-seq-len: 192 is longer than the model's max_seq_len 128"),
     (["--checkpoint", "0", "--devices", "0,,1"], "--devices 0,,1: an empty entry"),
+    (["--checkpoint", "0", "--devices", "0,1", "--device", "cuda:1"],
+     "--device cuda:1 with --devices 0,1: each run sees only its own GPU"),
 ])
 def test_a_sweep_that_would_fail_every_run_is_one_error_line_before_the_first(fixture_model_dir, capsys, flags,
                                                                                named):

@@ -177,3 +177,18 @@ def test_python_dash_m_nystromformer_is_the_nystromformer_command():
     wrong = subprocess.run([sys.executable, "-m", "nystromformer", "validate", "--model-dir", "/nonexistent/m"],
                            env=env, capture_output=True, text=True)
     assert wrong.returncode != 0 and "/nonexistent/m: no such model folder" in wrong.stderr
+
+
+def test_a_console_line_is_written_whole_in_one_call(monkeypatch):
+    # A parallel sweep's threads each say() lines: a line and its newline written apart ran two lines together.
+    import io
+    from nystromformer.cli import say
+    writes = {"stdout": [], "stderr": []}
+    for name in writes:
+        stream = io.StringIO()
+        stream.write = writes[name].append
+        monkeypatch.setattr(sys, name, stream)
+    say("start MRPC-0-0.001-2-1 on CUDA_VISIBLE_DEVICES=0")
+    say("warning: the tokenizer differs")
+    assert writes == {"stdout": ["start MRPC-0-0.001-2-1 on CUDA_VISIBLE_DEVICES=0\n"],
+                      "stderr": ["warning: the tokenizer differs\n"]}

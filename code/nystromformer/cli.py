@@ -27,7 +27,9 @@ WARNING_PREFIX = "warning: "
 def say(line: str) -> None:
     """A command's console line: warnings (``warning: ...``) on stderr, with errors and progress bars, so they still
     show when stdout goes to a file; the rest on stdout. Flushed, so the two streams interleave in order."""
-    print(line, file=sys.stderr if line.startswith(WARNING_PREFIX) else sys.stdout, flush=True)
+    stream = sys.stderr if line.startswith(WARNING_PREFIX) else sys.stdout
+    stream.write(line + "\n")  # one write: print's separate newline let a parallel sweep's lines run together
+    stream.flush()
 
 
 def add_subcommand(subparsers, name: str, help: str, doc: str, add_arguments, run, check=None) -> None:

@@ -97,12 +97,16 @@ def _ints(text: str) -> List[int]:
 
 
 def cmd_glue_sweep(args: argparse.Namespace) -> int:
-    tasks = list(TASKS) if args.tasks.lower() == "all" else [t for t in args.tasks.split(",") if t]
+    tasks = list(TASKS) if args.tasks.strip().lower() == "all" else [t.strip() for t in args.tasks.split(",")
+                                                                     if t.strip()]
     # Given devices, even one, are honoured (each run a process that sees only its device); by default several
     # visible GPUs run in parallel, and one GPU (or none) runs the grid in this process on --device.
     devices = args.devices.split(",") if args.devices else None
     if devices and not all(d.strip() for d in devices):
         raise SettingsError(f"--devices {args.devices}: an empty entry (give CUDA_VISIBLE_DEVICES values such as 0,1)")
+    if devices and args.device and ":" in args.device:
+        raise SettingsError(f"--device {args.device} with --devices {args.devices}: each run sees only its own GPU "
+                            f"(CUDA_VISIBLE_DEVICES), as cuda:0; --devices chooses the GPUs, so leave out --device")
     if devices is None:
         import torch
         count = torch.cuda.device_count()
