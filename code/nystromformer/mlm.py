@@ -61,8 +61,8 @@ def mask_tokens(ids: torch.Tensor, gen: torch.Generator, mask_prob: float, speci
     ordinary token (never a special one: a random <pad> would be masked out of attention, a random </s> read as a
     document boundary), 10% unchanged. Returns (inputs, labels) with labels = IGNORE_INDEX where not chosen."""
     never = torch.zeros_like(ids, dtype=torch.bool)
-    for name in ("bos", "eos", "pad"):
-        never |= ids == special[name]
+    for special_id in set(special.values()):  # <unk> and <mask> too, should the data hold them
+        never |= ids == special_id
     chosen = (torch.rand(ids.shape, generator=gen) < mask_prob) & ~never
     labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE_INDEX))
     action = torch.rand(ids.shape, generator=gen)
