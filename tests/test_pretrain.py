@@ -1086,7 +1086,7 @@ def test_a_log_past_the_first_epoch_without_any_checkpoint_is_an_earlier_run_not
     # a longer model would train at the data's length, its later positions never (nystrom-4096 on 512 shards)
     ({"max_seq_len": 64}, r"model.max_seq_len: 64 is longer than the data's sequences \(32 in .*data/meta.json\): "
                           r"the positions past 32 would never be trained; point data_folder at shards built at 64 "
-                          r"tokens \(build-shards --max-seq-len 64\), or set max_seq_len to 32"),
+                          r"tokens \(build-shards --seq-len 64\), or set max_seq_len to 32"),
     ({"pad_token_id": 0}, r"model.pad_token_id: 0 differs from the data's pad id 1 \(.*data/meta.json\)"),
 ])
 def test_data_that_does_not_fit_the_model_is_refused_naming_the_key(tmp_path, data, model, named):

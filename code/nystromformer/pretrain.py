@@ -220,7 +220,7 @@ def _load_data(cfg: Config) -> tuple[ShardedSequences, Optional[ShardedSequences
         raise ConfigError(f"{cfg.config_file}: model.max_seq_len: {model_len} is longer than the data's sequences "
                           f"({data_len} in {cfg.data_dir / 'meta.json'}): the positions past {data_len} would never "
                           f"be trained; point data_folder at shards built at {model_len} tokens (build-shards "
-                          f"--max-seq-len {model_len}), or set max_seq_len to {data_len}")
+                          f"--seq-len {model_len}), or set max_seq_len to {data_len}")
     if not ps.validate_batches_per_epoch:
         return train, None
     dev_path = cfg.data_dir / "dev.json"
