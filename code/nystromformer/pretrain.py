@@ -176,7 +176,7 @@ class _OneCycleLR(torch.optim.lr_scheduler.OneCycleLR):
     is OneCycleLR's."""
 
     def get_lr(self):
-        if self.last_epoch == 0 and self._schedule_phases[0]["end_step"] == 0:
+        if self.last_epoch == 0 and self._schedule_phases[0]["end_step"] <= 0:  # warm-up of 1 step or less
             for group in self.optimizer.param_groups:
                 if self.cycle_momentum:
                     group["betas"] = (group["base_momentum"], *group["betas"][1:])
