@@ -148,6 +148,9 @@ def test_an_entry_appended_after_a_torn_last_line_is_whole_and_the_fragment_is_r
     log.write_text(whole)
     jsonlog.JsonLog(log).write(type="train", step=2)  # a whole last line is left as it is
     assert log.read_text() == whole + json.dumps({"type": "train", "step": 2}) + "\n"
+    log.write_text(whole.rstrip("\n"))  # a whole entry without its newline (killed between the two) is kept
+    jsonlog.JsonLog(log).write(type="train", step=2)
+    assert [e["step"] for e in jsonlog.read(log)] == [1, 2]
 
 
 def test_rewriting_the_training_log_on_resume_is_atomic(tmp_path, monkeypatch):

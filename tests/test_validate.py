@@ -58,6 +58,17 @@ def test_a_checkpoint_rewritten_by_a_new_run_is_validated_again_and_its_line_rep
     assert validate(load_config(trained)) == []
 
 
+def test_a_measurement_on_another_number_of_sequences_is_kept_beside_the_full_one(trained):
+    cfg = load_config(trained)
+    (full,) = validate(cfg, epochs=[1])
+    (quick,) = validate(cfg, epochs=[1], num_sequences=8)
+    (again,) = validate(cfg, epochs=[1], num_sequences=8)  # the same measurement again replaces its line
+    logged = [json.loads(line) for line in (trained / "model" / "validation_output.log").read_text().splitlines()]
+    assert [(e["checkpoint"], e["num_sequences"]) for e in logged] == [("cp-0001.model", full["num_sequences"]),
+                                                                       ("cp-0001.model", 8)]
+    assert full["num_sequences"] != 8 and again["loss"] == quick["loss"]
+
+
 def test_a_checkpoint_named_twice_is_measured_once(trained):
     entries = validate(load_config(trained), epochs=[0, 0])
     assert [e["checkpoint"] for e in entries] == ["cp-0000.model"]

@@ -58,7 +58,8 @@ class JsonLog:
 
     def _remove_torn_tail(self) -> None:
         """An earlier process killed mid-write left a last line without its newline: appended to, it would glue
-        the next entry onto the fragment and lose both. The fragment is cut (it never parses) and named."""
+        the next entry onto the fragment and lose both. A fragment that is not an entry is cut and named; a whole
+        entry that only lacks its newline (killed between the two, or written by another tool) gets it."""
         if not self.path.is_file():
             return
         with open(self.path, "r+b") as f:
@@ -71,9 +72,21 @@ class JsonLog:
             f.seek(0)
             data = f.read()
             keep = data.rfind(b"\n") + 1
+            if _is_entry(data[keep:]):
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+                return
             f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
         fragment = data[keep:keep + 60].decode("utf-8", "replace")
         print(f"warning: {self.path}: removed a torn last line ({len(data) - keep} bytes: {fragment!r}...), left "
               f"by a process stopped while writing it", file=sys.stderr)
+
+
+def _is_entry(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:  # (JSONDecodeError and UnicodeDecodeError)
+        return False

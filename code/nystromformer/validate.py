@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
 import time
@@ -58,12 +59,24 @@ def older_entries(cfg: Config) -> int:
 
 
 def record(cfg: Config, entry: dict) -> Optional[dict]:
-    """Log ``entry``: one line per checkpoint and dev evaluation, so a checkpoint measured again (named by
-    --checkpoint, or rewritten by a new run) replaces its line, rewritten atomically. Returns the replaced one."""
+    """Log ``entry``. It replaces (the log rewritten atomically) this dev evaluation's line of the same checkpoint
+    file measured on as many sequences, or measured when the file held other weights (rewritten by a new run):
+    one line per measurement that still describes the file. Returns the first replaced line."""
     path = cfg.checkpoint_dir / LOG_NAME
+    with open(cfg.checkpoint_dir / f".{LOG_NAME}.lock", "a") as lock:
+        try:  # another validate of this folder reads, changes and rewrites the log too: one at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock: as before, unlocked
+            pass
+        return _record_locked(path, entry)
+
+
+def _record_locked(path, entry: dict) -> Optional[dict]:
     entries = jsonlog.read(path) if path.is_file() else []
     same = [i for i, e in enumerate(entries)
-            if e.get("checkpoint") == entry["checkpoint"] and e.get("eval_version") == DEV_EVAL_VERSION]
+            if e.get("checkpoint") == entry["checkpoint"] and e.get("eval_version") == DEV_EVAL_VERSION
+            and (e.get("num_sequences") == entry["num_sequences"]
+                 or e.get("fingerprint", entry["fingerprint"]) != entry["fingerprint"])]
     if not same:
         JsonLog(path).write(**entry)
         return None
