@@ -350,6 +350,8 @@ def test_reformer_hashes_afresh_in_training_and_the_same_way_in_every_evaluation
     torch.manual_seed(1)
     torch.testing.assert_close(attn(q, k, v, mask), evaluated, rtol=0, atol=0)
     expected = naive_reformer(q, v, mask, 4, 2, attn.rotation((H, D, 2, 2), q.device, q.dtype))
+    # drawn once per shape, device and dtype (no generator per forward: a compiled encoder would break its graph)
+    assert attn.rotation((H, D, 2, 2), q.device, q.dtype) is attn.rotation((H, D, 2, 2), q.device, q.dtype)
     real = mask.bool()
     torch.testing.assert_close(evaluated.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10,
                                atol=1e-12)

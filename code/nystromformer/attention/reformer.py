@@ -52,14 +52,20 @@ class ReformerAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_hashes = config.reformer_num_hashes
         self.bucket_size = config.reformer_bucket_size
+        self._eval_rotations = {}  # (shape, device, dtype) -> rotation: drawn once, not on every evaluation forward
 
     def rotation(self, shape, device, dtype) -> torch.Tensor:
         """(heads, dim, rounds, buckets/2): fresh in training; in evaluation the same for every call of this
         shape (drawn on the CPU in fp64 from a fixed seed, so the same on any device and in any dtype)."""
         if self.training:
             return torch.randn(shape, device=device, dtype=dtype)
-        generator = torch.Generator().manual_seed(EVAL_HASH_SEED * 1000003 + shape[-1])
-        return torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+        key = (tuple(shape), str(device), dtype)
+        if key not in self._eval_rotations:
+            if len(self._eval_rotations) >= 16:  # a few lengths in a run: never grows without bound
+                self._eval_rotations.clear()
+            generator = torch.Generator().manual_seed(EVAL_HASH_SEED * 1000003 + shape[-1])
+            self._eval_rotations[key] = torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
+        return self._eval_rotations[key]
 
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here
