@@ -72,14 +72,15 @@ class JsonLog:
             f.seek(0)
             data = f.read()
             keep = data.rfind(b"\n") + 1
-            if _is_entry(data[keep:]):
+            whole = _is_entry(data[keep:])
+            if whole:
                 f.write(b"\n")
-                f.flush()
-                os.fsync(f.fileno())
-                return
-            f.truncate(keep)
+            else:
+                f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
+        if whole:
+            return
         fragment = data[keep:keep + 60].decode("utf-8", "replace")
         print(f"warning: {self.path}: removed a torn last line ({len(data) - keep} bytes: {fragment!r}...), left "
               f"by a process stopped while writing it", file=sys.stderr)
