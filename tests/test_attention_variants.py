@@ -116,6 +116,21 @@ def test_performer_features_positive_and_approximate_softmax():
     assert (few(q, k, v, mask) - exact).abs().max().item() > err
 
 
+def test_performer_redraw_depends_on_the_saved_features_alone():
+    # DDP ranks seed the global RNG per rank: each must still draw the same new features, and a resumed run
+    # (features restored from its checkpoint) the ones an uninterrupted run would.
+    a = build_attention(cfg("performer", performer_redraw_interval=1))
+    b = build_attention(cfg("performer", performer_redraw_interval=1))
+    b.load_state_dict(a.state_dict())
+    initial = a.projection.clone()
+    for attn, rank in ((a, 0), (b, 1)):
+        torch.manual_seed(1000 + rank)
+        attn.training_pass()
+        attn.training_pass()
+    assert not torch.equal(a.projection, initial)  # redrawn
+    assert torch.equal(a.projection, b.projection)
+
+
 def test_performer_redraws_every_n_training_forwards():
     torch.manual_seed(0)
     attn = build_attention(cfg("performer", performer_redraw_interval=2))
@@ -123,6 +138,7 @@ def test_performer_redraws_every_n_training_forwards():
     mask = padded_mask()
     seen = [attn.projection.clone()]
     for _ in range(5):
+        attn.training_pass()  # the model's call before each training forward
         attn(q, k, v, mask)
         seen.append(attn.projection.clone())
     changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
@@ -132,6 +148,17 @@ def test_performer_redraws_every_n_training_forwards():
     for _ in range(4):
         attn(q, k, v, mask)
     assert torch.equal(before, attn.projection)
+    model = Encoder(cfg("performer", performer_redraw_interval=1))
+    layer_attn = model.layers[0].attention.attn
+    model.eval()
+    before = layer_attn.projection.clone()
+    ids = torch.randint(0, 40, (2, 20))
+    model(ids)
+    assert torch.equal(before, layer_attn.projection)
+    model.train()
+    model(ids)
+    model(ids)
+    assert not torch.equal(before, layer_attn.projection)  # the encoder counts its training passes
     # Rows of one block are orthogonal.
     from nystromformer.attention.performer import orthogonal_gaussian
     w = orthogonal_gaussian(D, D, dtype=torch.float64)
@@ -380,3 +407,4 @@ def test_the_variants_whose_outputs_depend_on_the_amount_of_padding_are_declared
         outs.append(attn(q[:, :, :n], k[:, :, :n], v[:, :, :n], mask)[:, :, :20])
     same = torch.allclose(outs[0], outs[1], atol=1e-10, rtol=1e-10)
     assert same == (name not in PADDING_AMOUNT_MATTERS), name
+

@@ -109,6 +109,32 @@ def test_gradient_checkpointing_changes_memory_not_results(attn_type):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_performer_features_are_redrawn_once_per_training_pass_under_gradient_checkpointing(interval):
+    # The checkpoint's backward reruns the attention's forward: redrawing there would give the backward other
+    # features than the forward used (and count each pass twice).
+    torch.manual_seed(2)
+    ids = torch.randint(5, 64, (2, 32))
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(3)
+        model = NystromformerForMaskedLM(model_config(attn_type="performer", performer_redraw_interval=interval,
+                                                      attention_grad_checkpointing=ckpt)).double()
+        attn = model.encoder.layers[0].attention.attn
+        grads, counts = [], []
+        for _ in range(5):
+            model.zero_grad()
+            model(ids, ids.clone()).loss.backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+            counts.append(int(attn.forwards_since_redraw))
+        runs.append((grads, counts, attn.projection.clone()))
+    (plain_grads, plain_counts, plain_w), (ckpt_grads, ckpt_counts, ckpt_w) = runs
+    assert plain_counts == ckpt_counts == [(i % interval) + 1 for i in range(5)]
+    assert torch.equal(plain_w, ckpt_w)
+    for plain, ckpt in zip(plain_grads, ckpt_grads):
+        torch.testing.assert_close(ckpt, plain, atol=1e-12, rtol=1e-10)
+
+
 def test_attention_runs_in_fp32_under_autocast_when_configured():
     seen = []
     for fp32 in (True, False):

@@ -105,6 +105,8 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.project(x)
+        if self.training and hasattr(self.attn, "training_pass"):
+            self.attn.training_pass()  # here, not in the variant's forward, which a checkpoint's backward reruns
         if self.grad_checkpointing and self.training:
             out = checkpoint(self._core, qkv, mask, use_reentrant=False)
         else:

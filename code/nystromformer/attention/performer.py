@@ -14,12 +14,20 @@ each feature as in the authors' code, so the normaliser is never zero — except
 padding, whose output is 0.
 
 Feature redraw: the projection is a buffer (saved in checkpoints) redrawn every
-``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws.
-Padded keys are exact: their features are zeroed.
+``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws. The count is kept by
+``training_pass()``, which the model calls once per training pass outside any recompute — with
+``attention_grad_checkpointing`` the backward runs ``forward`` again, which must see the features the forward saw.
+New features are drawn from a generator seeded by a hash of the current ones, a function of the saved state
+alone: every DDP rank draws the same features (the global RNG is seeded per rank), and a resumed run draws what
+an uninterrupted one would. Padded keys are exact: their features are zeroed.
+
+The key stabiliser is detached, as in the FAVOR+ reference code: with the 1e-6 added after it, the features do
+depend on it slightly, so the gradient is that of the forward to about 1e-6 relative (not exact; gradcheck fails).
 """
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -68,16 +76,21 @@ class PerformerAttention(nn.Module):
 
     @torch.no_grad()
     def redraw(self) -> None:
-        w = orthogonal_gaussian(self.num_features, self.head_dim)
+        seed = zlib.crc32(self.projection.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        w = orthogonal_gaussian(self.num_features, self.head_dim, generator=torch.Generator().manual_seed(seed))
         self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
         self.forwards_since_redraw.zero_()
 
-    def forward(self, q, k, v, mask):
-        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
-        if self.training and self.redraw_interval > 0:
+    @torch.no_grad()
+    def training_pass(self) -> None:
+        """Count one training forward pass, redrawing the features when their interval is up."""
+        if self.redraw_interval > 0:
             if int(self.forwards_since_redraw) >= self.redraw_interval:
                 self.redraw()
             self.forwards_since_redraw += 1
+
+    def forward(self, q, k, v, mask):
+        mask = key_padding_mask(mask, q)  # no padding-free shortcut here
         scale = self.head_dim ** -0.25
         w = self.projection.to(q.dtype)
         keep = mask[:, None, :, None].to(q.dtype)
