@@ -408,3 +408,16 @@ def test_the_variants_whose_outputs_depend_on_the_amount_of_padding_are_declared
     same = torch.allclose(outs[0], outs[1], atol=1e-10, rtol=1e-10)
     assert same == (name not in PADDING_AMOUNT_MATTERS), name
 
+
+@pytest.mark.parametrize("attn_type", VARIANTS)
+def test_fp32_inputs_under_bf16_autocast_run_and_match_fp32(attn_type):
+    # Autocast's matmuls give bf16 scores from fp32 q and k: a masked fill with fp32's minimum overflowed bf16.
+    torch.manual_seed(0)
+    attn = build_attention(cfg(attn_type)).eval()
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padded_mask()
+    exact = attn(q, k, v, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(q, k, v, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out.float().transpose(1, 2)[real], exact.transpose(1, 2)[real], atol=0.05, rtol=0.05)

@@ -81,7 +81,7 @@ class BigBirdAttention(nn.Module):
         v_sel = vp.view(b, h, nb, bs, d)[:, :, idx].reshape(b, h, nb, width * bs, d)
         ok = (maskp.view(b, nb, bs)[:, idx] & valid[None, :, :, None]).reshape(b, nb, width * bs)
         scores = (qp.view(b, h, nb, bs, d) @ k_sel.transpose(-1, -2)) * scale     # (b, h, nb, bs, width·bs)
-        scores = scores.masked_fill(~ok[:, None, :, None, :], neg)
+        scores = scores.masked_fill(~ok[:, None, :, None, :], torch.finfo(scores.dtype).min)  # autocast: bf16
         out = (torch.softmax(scores, dim=-1) @ v_sel).reshape(b, h, total, d)
 
         if g > 0:  # global query blocks see every key

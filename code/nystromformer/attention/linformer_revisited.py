@@ -1,4 +1,4 @@
-"""The "Revisiting Linformer" variant: Linformer's projections with softmax on the factors, O(n·d·k + k·d²).
+"""The "Revisiting Linformer" variant: Linformer's projections with softmax on the factors, O(n·d·k + n·d²).
 
 As implemented (with Q, K scaled by d^-1/4 so the factors carry the usual 1/√d between them):
 

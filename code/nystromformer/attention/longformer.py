@@ -54,12 +54,12 @@ class LongformerAttention(nn.Module):
 
         q_chunks = qp.view(b, h, nc, c, d)
         s_win = (q_chunks @ k_win.transpose(-1, -2)) * scale
-        s_win = s_win.masked_fill(~allowed[:, None], neg)
+        s_win = s_win.masked_fill(~allowed[:, None], torch.finfo(s_win.dtype).min)  # autocast: bf16 scores
         parts = [s_win]
         if g > 0:
             s_glob = (q_chunks @ k[:, :, :g].transpose(-1, -2)[:, :, None]) * scale   # (b, h, nc, c, g)
             glob_ok = mask[:, :g].to(torch.bool)[:, None, None, None, :]
-            parts.append(s_glob.masked_fill(~glob_ok, neg))
+            parts.append(s_glob.masked_fill(~glob_ok, torch.finfo(s_glob.dtype).min))
         p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         out = p[..., :3 * c] @ v_win
         if g > 0:

@@ -75,7 +75,6 @@ class ReformerAttention(nn.Module):
         total = -(-n // c) * c
         chunks_per_round = total // c
         nbk = max(2, chunks_per_round + chunks_per_round % 2)
-        neg = torch.finfo(q.dtype).min
         qp = F.pad(q, (0, 0, 0, total - n))
         vp = F.pad(v, (0, 0, 0, total - n))
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
@@ -109,7 +108,7 @@ class ReformerAttention(nn.Module):
 
         scores = sq @ sk.transpose(-1, -2)                                           # (b, h, C, c, c or 2c)
         scores = scores.masked_fill(spos[..., :, None] == kpos[..., None, :], SELF_SCORE)
-        scores = scores.masked_fill(~kmask[..., None, :], neg)
+        scores = scores.masked_fill(~kmask[..., None, :], torch.finfo(scores.dtype).min)  # autocast: bf16
         lse = scores.logsumexp(dim=-1, keepdim=True)
         out = torch.exp(scores - lse) @ sv                                           # (b, h, C, c, d)
 
