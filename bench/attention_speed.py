@@ -22,9 +22,10 @@ Issue #6's setting: a fixed number of tokens per batch (default 65,536, batch = 
 
 Time: CUDA events, warm-up, median of --repeat runs of forward+backward (the gradient w.r.t. q, k, v and the conv
 weight), L2 flushed between runs; CPU: perf_counter. Memory: torch.cuda.max_memory_allocated above what was
-allocated before the pass (inputs excluded). "x floor": time over the bandwidth floor — the bytes fwd+bwd must
-move at least (read q, k, v, write out; read grad-out, q, k, v, out, write dq, dk, dv: 12 tensors of
-tokens·h·d elements) over the device-to-device copy bandwidth measured at start. "err": relative error of the
+allocated before the pass (inputs excluded). "x floor": time over issue #6's bandwidth floor — reading q, k, v,
+o, dO and writing o, dq, dk, dv once: 9 tensors of tokens·h·d elements — over the device-to-device copy bandwidth
+measured at start (in the CSV: `floor_tensors`, `bandwidth_gbs`; tables before 2026-11-29 counted 12, q, k and v
+read again by the backward, so their "x floor" is 3/4 of the issue's). "err": relative error of the
 output against the fp32 reference on the first batch element (--check). --graphs (CUDA): the same forward+backward
 also captured once as a CUDA graph and replayed (median of --repeat, L2 flushed), so no host time sits between
 its launches — the kernels' own time, and what training gets with `gpu_setting.compile: reduce-overhead`; its
@@ -67,6 +68,8 @@ IMPLS = ["sdpa", "paper-fp32", "fast-torch", "fast-triton", "fast-triton-fp32", 
 EXTRA_IMPLS = ["fast-triton-all-conv-apart", "fast-triton-all-conv-bwd-apart", "fast-triton-all-recompute"]
 # The least device sleep queued before the host timing: well above any pass's host time seen so far (~5 ms)
 HOST_BUSY_MS = 25.0
+# issue #6's bandwidth floor: read q, k, v, o, dO and write o, dq, dk, dv once (tokens·h·d elements each)
+FLOOR_TENSORS = 9
 
 
 def with_env(env, fn):
@@ -427,10 +430,12 @@ def measure_rows(args, device, layer, bandwidth, flush, rows, graph_errors, host
             if name == "sdpa":
                 sdpa_ms, sdpa_graph_ms = ms, graphed
             elem = 4 if name in ("paper-fp32",) or name.endswith("fp32") else 2
-            floor_ms = 12 * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth else None
+            floor_ms = (FLOOR_TENSORS * b * n * args.heads * args.head_dim * elem / bandwidth * 1e3 if bandwidth
+                        else None)
             row = dict(n=n, batch=b, impl=name, ms=ms, host_ms=host_ms, peak_mib=peak,
                        vs_sdpa=(ms / sdpa_ms if ms and sdpa_ms else None),
-                       x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err)
+                       x_floor=(ms / floor_ms if ms and floor_ms else None), rel_err=err,
+                       floor_tensors=FLOOR_TENSORS, bandwidth_gbs=(bandwidth / 1e9 if bandwidth else None))
             if args.graphs:
                 row.update(graph_ms=graphed, graph_vs_sdpa=(graphed / sdpa_graph_ms if graphed and sdpa_graph_ms
                                                             else None),
@@ -445,7 +450,8 @@ def print_table(args, device, bandwidth, rows, graph_errors, host_waits, failure
           + (f", copy bandwidth {bandwidth / 1e12:.2f} TB/s" if bandwidth else ""))
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     graph_head = " graph ms | × SDPA's graph | × floor (graph) |" if args.graphs else ""
-    print("| n | batch | impl | ms | host ms | × SDPA | × floor | peak MiB | rel err |" + graph_head)
+    print(f"| n | batch | impl | ms | host ms | × SDPA | × floor ({FLOOR_TENSORS} tensors) | peak MiB | rel err |"
+          + graph_head)
     print("|---|---|---|---|---|---|---|---|---|" + "---|" * graph_head.count("|"))
     for r in rows:
         graph_cells = (f" {fmt(r['graph_ms'], '.3f')} | {fmt(r['graph_vs_sdpa'], '.3f')} | "

@@ -81,6 +81,7 @@ exec > >(tee -a "$OUT/session.log") 2>&1
 
 stage_check() {
   local d=$RESULTS/check; mkdir -p "$d"
+  rm -f "$d"/gpu-tests.txt "$d"/host-time-test.txt  # a rerun on a warm machine: no earlier call's verdicts
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$d/device.txt"
   "$python" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$d/device.txt"
   # Only the tests marked gpu: the CPU tests (the interpreter's, the sm_90 compiles, test_attention.py's and
@@ -90,7 +91,7 @@ stage_check() {
     tests/test_pretrain.py::test_on_a_gpu_a_training_step_waits_for_the_device_only_to_read_its_loss \
     2>&1 | tee "$d/gpu-tests.txt" | tail -n 25
   # alone: it times a device sleep, which other processes' kernels on the GPU would shorten or stretch (its own
-  # file: gpu-tests.txt is the fast path's tests alone, as targets_report.py reads it)
+  # file: gpu-tests.txt holds the tests above, as targets_report.py reads it)
   limited "$python" -m pytest -q -rs -p no:cacheprovider \
     tests/test_bench.py::test_gpu_host_time_is_the_hosts_own_work_and_shows_a_synchronization_as_the_devices_sleep \
     2>&1 | tee "$d/host-time-test.txt" | tail -n 3
@@ -103,6 +104,10 @@ stage_targets() {
   # attention, and at 4096; then bench/targets_report.py's verdicts from their CSV files and the check stage's
   # test output.
   local d=$RESULTS/targets; mkdir -p "$d"
+  # a rerun on a warm machine: a command skipped or stopped before its first row must not leave an earlier call's
+  # table for the report to judge as this one's
+  rm -f "$d"/attention.csv "$d"/attention.md "$d"/attention_speed.png "$d"/model-*.csv "$d"/model-*.md \
+    "$d"/untimed-*.jsonl "$d"/targets.md
   local attention=(bench/attention_speed.py --graphs --check --impls sdpa fast-triton fast-triton-all)
   local bf16=(bench/model_speed.py --seq-len 512 --batch 32 --conv 65 --attention-fp32 false --models softmax \
     nystrom-all hf-nystromformer nystrom nystrom-all-recompute)
