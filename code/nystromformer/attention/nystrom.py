@@ -37,6 +37,12 @@ def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
     # to the host on CUDA (a synchronization, and no CUDA-graph capture)
     starts = (torch.arange(num_segments + 1, device=x.device) * n + num_segments - 1) // num_segments
     counts = starts.diff().to(x.dtype)
+    if torch.compiler.is_compiling():
+        # As one (m, n) averaging matrix: Inductor (torch 2.13, CPU, two threads or more) generates index_add_'s
+        # scatter in the training graph with the wrong head stride and corrupts the heap (n not a multiple of m,
+        # with a mask and the conv). Equal to the eager form to rounding (2e-16 in fp64).
+        average = (seg_id == torch.arange(num_segments, device=x.device)[:, None]).to(x.dtype) / counts[:, None]
+        return average @ x
     sums = x.new_zeros(*x.shape[:-2], num_segments, x.shape[-1]).index_add_(-2, seg_id, x)
     return sums / counts[:, None]
 

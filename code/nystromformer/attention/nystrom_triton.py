@@ -958,6 +958,7 @@ class _PinvIterate(torch.autograd.Function):
         return _pinv_forward(a, z0, iters, precision, warps[0])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph
     def backward(ctx, g):
         a, z0 = ctx.saved_tensors
         da, dz0 = _pinv_backward(a, z0, g, ctx.iters, ctx.precision, ctx.warps[1])
@@ -1496,6 +1497,7 @@ class _SegmentMeans(torch.autograd.Function):
         return _segment_means_forward(x, keep, m)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph
     def backward(ctx, g):
         (keep,) = ctx.saved_tensors
         return _segment_means_backward(g, keep, ctx.n), None, None
@@ -1645,6 +1647,7 @@ class _ConvAdd(torch.autograd.Function):
         return _conv_forward(v, keep, w, res)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph
     def backward(ctx, g):
         v, keep, w = ctx.saved_tensors
         # One contiguous copy for both kernels (in the model g is a transposed view of the (b, n, h·d) gradient);
