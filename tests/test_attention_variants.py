@@ -119,16 +119,25 @@ def test_performer_features_positive_and_approximate_softmax():
 def test_performer_redraw_depends_on_the_saved_features_alone():
     # DDP ranks seed the global RNG per rank: each must still draw the same new features, and a resumed run
     # (features restored from its checkpoint) the ones an uninterrupted run would.
-    a = build_attention(cfg("performer", performer_redraw_interval=1))
-    b = build_attention(cfg("performer", performer_redraw_interval=1))
+    a = build_attention(cfg("performer", performer_redraw_interval=3))
+    b = build_attention(cfg("performer", performer_redraw_interval=3))
     b.load_state_dict(a.state_dict())
     initial = a.projection.clone()
     for attn, rank in ((a, 0), (b, 1)):
         torch.manual_seed(1000 + rank)
-        attn.training_pass()
-        attn.training_pass()
+        for _ in range(5):
+            attn.prepare(N, "cpu")
     assert not torch.equal(a.projection, initial)  # redrawn
     assert torch.equal(a.projection, b.projection)
+    # resumed mid-interval: the count comes back with the state dict (it is kept on the host as well)
+    resumed = build_attention(cfg("performer", performer_redraw_interval=3))
+    resumed.load_state_dict(a.state_dict())
+    for attn in (a, resumed):
+        attn.prepare(N, "cpu")  # the 3rd pass since the redraw: no redraw yet
+    assert torch.equal(resumed.projection, a.projection) and torch.equal(resumed.projection, b.projection)
+    for attn in (a, resumed):
+        attn.prepare(N, "cpu")  # the interval is up
+    assert torch.equal(resumed.projection, a.projection) and not torch.equal(a.projection, b.projection)
 
 
 def test_performer_redraws_every_n_training_forwards():
@@ -138,7 +147,7 @@ def test_performer_redraws_every_n_training_forwards():
     mask = padded_mask()
     seen = [attn.projection.clone()]
     for _ in range(5):
-        attn.training_pass()  # the model's call before each training forward
+        attn.prepare(N, q.device)  # the encoder's call before each forward pass
         attn(q, k, v, mask)
         seen.append(attn.projection.clone())
     changed = [not torch.equal(a, b) for a, b in zip(seen, seen[1:])]
@@ -146,6 +155,7 @@ def test_performer_redraws_every_n_training_forwards():
     attn.eval()
     before = attn.projection.clone()
     for _ in range(4):
+        attn.prepare(N, q.device)
         attn(q, k, v, mask)
     assert torch.equal(before, attn.projection)
     model = Encoder(cfg("performer", performer_redraw_interval=1))
@@ -377,8 +387,6 @@ def test_reformer_hashes_afresh_in_training_and_the_same_way_in_every_evaluation
     torch.manual_seed(1)
     torch.testing.assert_close(attn(q, k, v, mask), evaluated, rtol=0, atol=0)
     expected = naive_reformer(q, v, mask, 4, 2, attn.rotation((H, D, 2, 2), q.device, q.dtype))
-    # drawn once per shape, device and dtype (no generator per forward: a compiled encoder would break its graph)
-    assert attn.rotation((H, D, 2, 2), q.device, q.dtype) is attn.rotation((H, D, 2, 2), q.device, q.dtype)
     real = mask.bool()
     torch.testing.assert_close(evaluated.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10,
                                atol=1e-12)

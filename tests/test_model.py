@@ -135,6 +135,36 @@ def test_performer_features_are_redrawn_once_per_training_pass_under_gradient_ch
         torch.testing.assert_close(ckpt, plain, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("attn_type", ["nystrom", "performer", "bigbird", "reformer"])
+def test_a_compiled_encoder_runs_as_one_graph_per_training_step_and_evaluation(attn_type):
+    # Performer's redraw count, BigBird's block layout and Reformer's evaluation rotation are host work (a device
+    # read, a generator): inside the compiled forward each split the graph at every layer, every step. They run
+    # in the encoder's eager prelude; the layers stay one graph. (Performer redraws every pass here, still.)
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config(attn_type=attn_type, num_layers=2, performer_redraw_interval=1,
+                                                  block_size=8, reformer_bucket_size=8))
+    pieces = []
+
+    def counting_backend(graph, example_inputs):
+        def run(*args):
+            pieces.append(1)
+            return graph.forward(*args)
+        return run
+    model.encoder.compile(backend=counting_backend)
+    ids = torch.randint(5, 64, (2, 32))
+    per_call, projections = [], []
+    for mode in ("train", "train", "train", "eval", "eval"):
+        model.train(mode == "train")
+        pieces.clear()
+        model(ids, ids.clone()).loss.backward() if mode == "train" else model.logits(ids)
+        per_call.append(len(pieces))
+        if attn_type == "performer":
+            projections.append(model.encoder.layers[0].attention.attn.projection.clone())
+    assert per_call == [1, 1, 1, 1, 1]
+    if attn_type == "performer":
+        assert not torch.equal(projections[0], projections[1]) and torch.equal(projections[3], projections[4])
+
+
 def test_attention_runs_in_fp32_under_autocast_when_configured():
     seen = []
     for fp32 in (True, False):

@@ -105,8 +105,6 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, n, _ = x.shape
         qkv = self.project(x)
-        if self.training and hasattr(self.attn, "training_pass"):
-            self.attn.training_pass()  # here, not in the variant's forward, which a checkpoint's backward reruns
         if self.grad_checkpointing and self.training:
             out = checkpoint(self._core, qkv, mask, use_reentrant=False)
         else:
@@ -204,12 +202,24 @@ class Encoder(nn.Module):
                                      if cfg.embedding_dim != cfg.transformer_dim else None)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(cfg.transformer_dim, eps=cfg.layer_norm_eps) if cfg.pre_layer_norm else None
+        # variants with a prepare(): their random state is advanced or looked up once per pass, before any layer
+        self._prepared = [layer.attention.attn for layer in self.layers if hasattr(layer.attention.attn, "prepare")]
+
+    @torch.compiler.disable
+    def prepare_attention(self, seq_len: int, device: torch.device) -> None:
+        """The variants' per-pass host work (Performer's redraw count, BigBird's block layout, Reformer's evaluation
+        rotation), run eagerly: compiled, it would split the encoder's graph at every layer; outside the variant's
+        forward, which gradient checkpointing's backward runs again."""
+        for attn in self._prepared:
+            attn.prepare(seq_len, device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_seq_len "
                              f"{self.config.max_seq_len}")
+        if self._prepared:  # a Python constant: the other variants trace no call (no graph break)
+            self.prepare_attention(input_ids.shape[1], input_ids.device)
         # attention_mask None = no padding: the attention variants skip the masking work (see attention/__init__).
         x = self.embeddings(input_ids, token_type_ids)
         if self.embedding_projection is not None:

@@ -9,8 +9,11 @@ never reads ``k`` says so with ``reads_keys = False`` (the model then passes ``q
 projection). A variant whose outputs depend on their batch mates (Nyström's ``"original"`` pseudo-inverse init, a
 max over the batch) has an ``init_rows`` attribute: when set, the mates are each group of that many consecutive
 rows, so that one pass over several groups computes what a pass per group would (``model.set_batch_groups``).
-A variant with state that advances per training pass (Performer's feature redraws) has ``training_pass()``, which
-the model calls once before each training forward — outside ``forward``, which gradient checkpointing runs twice.
+A variant with host-side work per pass (Performer's redraw count, BigBird's block layout, Reformer's evaluation
+rotation) does it in ``prepare(seq_len, device)``, which the encoder calls once per forward pass before any layer,
+eagerly (``torch.compiler.disable``): in ``forward`` it would split a compiled graph, and gradient checkpointing
+runs ``forward`` again in the backward. ``forward`` works without it (a direct call), with the current state
+or drawing what it lacks.
 """
 from __future__ import annotations
 

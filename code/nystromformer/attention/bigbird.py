@@ -30,17 +30,36 @@ class BigBirdAttention(nn.Module):
         self.num_random = config.bigbird_num_random_blocks
         self.num_global = config.bigbird_num_global_blocks
         self.register_buffer("pattern_seed", torch.randint(0, 2 ** 31 - 1, ()))
+        self._seed = int(self.pattern_seed)  # kept on the host: reading the buffer is a device sync (and a graph break)
         self._cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._on_device: Dict[Tuple[int, int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._seed = int(self.pattern_seed)
+
+    def prepare(self, seq_len: int, device) -> None:
+        """Before each forward pass (eagerly): the layout of this length's blocks, on the device."""
+        self._gather_index(-(-seq_len // self.block_size), device)
+
+    def _gather_index(self, nb: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (nb, self._seed, str(device))
+        if key not in self._on_device:
+            if len(self._on_device) >= 16:  # a few lengths in a run: never grows without bound
+                self._on_device.clear()
+            _, idx, valid = self._layout(nb)
+            self._on_device[key] = (idx.to(device), valid.to(device))
+        return self._on_device[key]
 
     def block_pattern(self, nb: int) -> torch.Tensor:
         """(nb, nb) bool: which key blocks each query block attends to."""
         return self._layout(nb)[0]
 
     def _layout(self, nb: int):
-        key = (nb, int(self.pattern_seed))
+        key = (nb, self._seed)
         if key not in self._cache:
             g = min(self.num_global, nb)
-            gen = torch.Generator().manual_seed(int(self.pattern_seed) * 1000003 + nb)
+            gen = torch.Generator().manual_seed(self._seed * 1000003 + nb)
             pat = torch.zeros(nb, nb, dtype=torch.bool)
             pat[:g] = True
             pat[:, :g] = True
@@ -73,8 +92,7 @@ class BigBirdAttention(nn.Module):
         pad = (0, 0, 0, total - n)
         qp, kp, vp = (F.pad(t, pad) for t in (q, k, v))
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
-        _, idx, valid = self._layout(nb)
-        idx, valid = idx.to(q.device), valid.to(q.device)
+        idx, valid = self._gather_index(nb, q.device)
         width = idx.shape[1]
 
         k_sel = kp.view(b, h, nb, bs, d)[:, :, idx].reshape(b, h, nb, width * bs, d)

@@ -15,8 +15,9 @@ padding, whose output is 0.
 
 Feature redraw: the projection is a buffer (saved in checkpoints) redrawn every
 ``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws. The count is kept by
-``training_pass()``, which the model calls once per training pass outside any recompute — with
-``attention_grad_checkpointing`` the backward runs ``forward`` again, which must see the features the forward saw.
+``prepare()``, which the encoder calls once per pass, eagerly, outside any recompute — with
+``attention_grad_checkpointing`` the backward runs ``forward`` again, which must see the features the forward saw —
+and in a Python int beside the buffer, so that counting reads nothing back from the device.
 New features are drawn from a generator seeded by a hash of the current ones, a function of the saved state
 alone: every DDP rank draws the same features (the global RNG is seeded per rank), and a resumed run draws what
 an uninterrupted one would. Padded keys are exact: their features are zeroed.
@@ -73,21 +74,28 @@ class PerformerAttention(nn.Module):
         self.redraw_interval = config.performer_redraw_interval
         self.register_buffer("projection", orthogonal_gaussian(self.num_features, self.head_dim))
         self.register_buffer("forwards_since_redraw", torch.zeros((), dtype=torch.long))
+        self._since_redraw = 0  # the buffer's value, kept on the host (refreshed when a state dict is loaded)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._since_redraw = int(self.forwards_since_redraw)
 
     @torch.no_grad()
     def redraw(self) -> None:
         seed = zlib.crc32(self.projection.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         w = orthogonal_gaussian(self.num_features, self.head_dim, generator=torch.Generator().manual_seed(seed))
         self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
+        self._since_redraw = 0
         self.forwards_since_redraw.zero_()
 
     @torch.no_grad()
-    def training_pass(self) -> None:
-        """Count one training forward pass, redrawing the features when their interval is up."""
-        if self.redraw_interval > 0:
-            if int(self.forwards_since_redraw) >= self.redraw_interval:
+    def prepare(self, seq_len: int = 0, device=None) -> None:
+        """Before each forward pass: in training, count it, redrawing the features when their interval is up."""
+        if self.training and self.redraw_interval > 0:
+            if self._since_redraw >= self.redraw_interval:
                 self.redraw()
-            self.forwards_since_redraw += 1
+            self._since_redraw += 1
+            self.forwards_since_redraw.fill_(self._since_redraw)
 
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here

@@ -52,20 +52,35 @@ class ReformerAttention(nn.Module):
         self.head_dim = config.head_dim
         self.num_hashes = config.reformer_num_hashes
         self.bucket_size = config.reformer_bucket_size
-        self._eval_rotations = {}  # (shape, device, dtype) -> rotation: drawn once, not on every evaluation forward
+        self.num_heads = config.num_head
+        self._eval_rotations = {}  # (shape, device) -> fp64 rotation: drawn once, not on every evaluation forward
+
+    def rotation_shape(self, seq_len: int, heads: int) -> tuple:
+        """(heads, dim, rounds, buckets/2) for a (padded) length: nb = chunks rounded up to even, at least 2."""
+        chunks = -(-seq_len // self.bucket_size)
+        return heads, self.head_dim, self.num_hashes, max(2, chunks + chunks % 2) // 2
+
+    def prepare(self, seq_len: int, device) -> None:
+        """Before each forward pass (eagerly): in evaluation, this length's fixed rotation on the device — drawn
+        inside a compiled forward, it split the graph at every layer."""
+        if not self.training:
+            self._eval_rotation(self.rotation_shape(seq_len, self.num_heads), device)
+
+    def _eval_rotation(self, shape, device) -> torch.Tensor:
+        key = (tuple(shape), str(device))
+        if key not in self._eval_rotations:
+            if len(self._eval_rotations) >= 16:  # a few lengths in a run: never grows without bound
+                self._eval_rotations.clear()
+            generator = torch.Generator().manual_seed(EVAL_HASH_SEED * 1000003 + shape[-1])
+            self._eval_rotations[key] = torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
+        return self._eval_rotations[key]
 
     def rotation(self, shape, device, dtype) -> torch.Tensor:
         """(heads, dim, rounds, buckets/2): fresh in training; in evaluation the same for every call of this
         shape (drawn on the CPU in fp64 from a fixed seed, so the same on any device and in any dtype)."""
         if self.training:
             return torch.randn(shape, device=device, dtype=dtype)
-        key = (tuple(shape), str(device), dtype)
-        if key not in self._eval_rotations:
-            if len(self._eval_rotations) >= 16:  # a few lengths in a run: never grows without bound
-                self._eval_rotations.clear()
-            generator = torch.Generator().manual_seed(EVAL_HASH_SEED * 1000003 + shape[-1])
-            self._eval_rotations[key] = torch.randn(shape, generator=generator, dtype=torch.float64).to(device, dtype)
-        return self._eval_rotations[key]
+        return self._eval_rotation(shape, device).to(dtype)
 
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here
@@ -80,7 +95,7 @@ class ReformerAttention(nn.Module):
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
         keys = F.normalize(qp, dim=-1) * d ** -0.5
 
-        rot = self.rotation((h, d, rounds, nbk // 2), q.device, q.dtype)
+        rot = self.rotation(self.rotation_shape(n, h), q.device, q.dtype)
         rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)                # (b, h, r, N, nb/2)
         buckets = lsh_buckets(rotated)                                               # (b, h, r, N)
         del rotated  # O(N · nb) = O(N²/c) memory, inherent in LSH with nb ∝ N: freed before attention
