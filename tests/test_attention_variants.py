@@ -140,6 +140,37 @@ def test_performer_redraw_depends_on_the_saved_features_alone():
     assert torch.equal(resumed.projection, a.projection) and not torch.equal(a.projection, b.projection)
 
 
+@pytest.mark.parametrize("name", sorted(ATTENTION_REGISTRY))
+def test_every_variant_builds_on_the_meta_device(name):
+    # export-hf checks a checkpoint's shapes against a model built on the meta device, before anything else
+    with torch.device("meta"):
+        Encoder(cfg(name))
+
+
+@pytest.mark.parametrize("name", ["performer", "bigbird"])
+def test_host_copies_of_buffers_follow_writes_from_outside(name):
+    # A DDP broadcast writes the buffers in place, not through load_state_dict: Performer's pass count and
+    # BigBird's pattern seed, kept on the host so that a pass reads nothing from the device, must follow it.
+    torch.manual_seed(0)
+    a = build_attention(cfg(name, performer_redraw_interval=3))
+    torch.manual_seed(1)
+    b = build_attention(cfg(name, performer_redraw_interval=3))
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padded_mask()
+    for attn in (a, b):
+        attn.prepare(N, "cpu")
+        attn(q, k, v, mask)  # host copies and caches made
+    a.prepare(N, "cpu")  # a has counted 2 passes, b 1
+    with torch.no_grad():
+        for target, source in zip(b.buffers(), a.buffers()):
+            target.copy_(source)  # as DDP's broadcast from rank 0 does
+    for _ in range(2):  # the 3rd pass since the redraw, then the interval is up
+        for attn in (a, b):
+            attn.prepare(N, "cpu")
+        torch.testing.assert_close(b(q, k, v, mask), a(q, k, v, mask), rtol=0, atol=0)
+    assert [t.tolist() for t in b.buffers()] == [t.tolist() for t in a.buffers()]
+
+
 def test_performer_redraws_every_n_training_forwards():
     torch.manual_seed(0)
     attn = build_attention(cfg("performer", performer_redraw_interval=2))

@@ -944,6 +944,15 @@ def test_targets_report_needs_every_length_and_finite_figures(tmp_path):
     assert verdicts[memory, "fast-triton-all"][1] == "not measured"
     tolerance = "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"
     assert verdicts[tolerance, "fast-triton-all"] == ("rel. err. not finite at n = 4096", "no")
+    assert f"- {tolerance}: not met" in lines  # a failure the table measured, GPU tests or not
+    # a length over the bound fails "every n" even with another length missing
+    rows[3].update(ms=9.0, x_floor=9.0)  # fast-triton-all at 512
+    write_csv(tmp_path / "attention.csv", rows)
+    verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(report_lines(str(tmp_path), "--impls",
+                                                                               "fast-triton-all"))}
+    assert verdicts[floor, "fast-triton-all"] == (
+        "1.2–9.0× over n = 512, 4096; not measured at n = 65536 (copy bandwidth 2.90 TB/s)", "no")
+    rows[3].update(ms=1.0, x_floor=1.0)
     # with every length and finite errors the table's forward check alone still does not meet the tolerance
     # target: gradients, padding and uneven n are checked by the GPU tests, which were not read here
     rows[-1].update(rel_err=2e-3)

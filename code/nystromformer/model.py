@@ -206,12 +206,12 @@ class Encoder(nn.Module):
         self._prepared = [layer.attention.attn for layer in self.layers if hasattr(layer.attention.attn, "prepare")]
 
     @torch.compiler.disable
-    def prepare_attention(self, seq_len: int, device: torch.device) -> None:
+    def prepare_attention(self, input_ids: torch.Tensor) -> None:
         """The variants' per-pass host work (Performer's redraw count, BigBird's block layout, Reformer's evaluation
         rotation), run eagerly: compiled, it would split the encoder's graph at every layer; outside the variant's
         forward, which gradient checkpointing's backward runs again."""
-        for attn in self._prepared:
-            attn.prepare(seq_len, device)
+        for attn in self._prepared:  # (the ids, not their length: a dynamic length would be a graph of its own)
+            attn.prepare(input_ids.shape[1], input_ids.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -219,7 +219,7 @@ class Encoder(nn.Module):
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds model.max_seq_len "
                              f"{self.config.max_seq_len}")
         if self._prepared:  # a Python constant: the other variants trace no call (no graph break)
-            self.prepare_attention(input_ids.shape[1], input_ids.device)
+            self.prepare_attention(input_ids)
         # attention_mask None = no padding: the attention variants skip the masking work (see attention/__init__).
         x = self.embeddings(input_ids, token_type_ids)
         if self.embedding_projection is not None:

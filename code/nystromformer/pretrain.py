@@ -350,10 +350,14 @@ class PretrainRun:
             self.say(f"encoder compiled with torch.compile(mode={cfg.gpu_setting.compile!r}); the first steps "
                      f"include compilation")
         if rt.world_size > 1:
-            # Reformer's shared-QK attention leaves the key projection without a gradient.
+            # Reformer's shared-QK attention leaves the key projection without a gradient. Buffers are broadcast
+            # once, here, not before every forward: each is the same on every rank by construction (Performer's
+            # redraws are seeded by its features, its count by the passes every rank makes; BigBird's seed is
+            # drawn from the run's seed), and a broadcast per step would make those two read them back from the
+            # device (their host copies follow outside writes).
             self.ddp_model = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-                find_unused_parameters=cfg.model.attn_type == "reformer")
+                find_unused_parameters=cfg.model.attn_type == "reformer", broadcast_buffers=False)
 
     # ------------------------------------------------------------------------------------------- one step
     def state_dict(self) -> dict:

@@ -29,37 +29,43 @@ class BigBirdAttention(nn.Module):
         self.block_size = config.block_size
         self.num_random = config.bigbird_num_random_blocks
         self.num_global = config.bigbird_num_global_blocks
-        self.register_buffer("pattern_seed", torch.randint(0, 2 ** 31 - 1, ()))
-        self._seed = int(self.pattern_seed)  # kept on the host: reading the buffer is a device sync (and a graph break)
+        # drawn on the host (also when the model is built on the meta device, for a shape check) and kept there:
+        # reading the buffer back is a device sync, and inside a compiled forward a graph break
+        self._seed = int(torch.randint(0, 2 ** 31 - 1, (), device="cpu"))
+        self.register_buffer("pattern_seed", torch.tensor(self._seed))
+        self._seed_version = self.pattern_seed._version
         self._cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._on_device: Dict[Tuple[int, int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._seed = int(self.pattern_seed)
+    def _host_seed(self) -> int:
+        """The buffer's value, read back only when something wrote it (a state dict loaded, a DDP broadcast)."""
+        buffer = self.pattern_seed
+        if buffer._version != self._seed_version and not buffer.is_meta:
+            self._seed, self._seed_version = int(buffer), buffer._version
+        return self._seed
 
     def prepare(self, seq_len: int, device) -> None:
         """Before each forward pass (eagerly): the layout of this length's blocks, on the device."""
-        self._gather_index(-(-seq_len // self.block_size), device)
+        self._gather_index(-(-seq_len // self.block_size), self._host_seed(), device)
 
-    def _gather_index(self, nb: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-        key = (nb, self._seed, str(device))
+    def _gather_index(self, nb: int, seed: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (nb, seed, str(device))
         if key not in self._on_device:
             if len(self._on_device) >= 16:  # a few lengths in a run: never grows without bound
                 self._on_device.clear()
-            _, idx, valid = self._layout(nb)
+            _, idx, valid = self._layout(nb, seed)
             self._on_device[key] = (idx.to(device), valid.to(device))
         return self._on_device[key]
 
     def block_pattern(self, nb: int) -> torch.Tensor:
         """(nb, nb) bool: which key blocks each query block attends to."""
-        return self._layout(nb)[0]
+        return self._layout(nb, self._host_seed())[0]
 
-    def _layout(self, nb: int):
-        key = (nb, self._seed)
+    def _layout(self, nb: int, seed: int):
+        key = (nb, seed)
         if key not in self._cache:
             g = min(self.num_global, nb)
-            gen = torch.Generator().manual_seed(self._seed * 1000003 + nb)
+            gen = torch.Generator().manual_seed(seed * 1000003 + nb)
             pat = torch.zeros(nb, nb, dtype=torch.bool)
             pat[:g] = True
             pat[:, :g] = True
@@ -92,7 +98,9 @@ class BigBirdAttention(nn.Module):
         pad = (0, 0, 0, total - n)
         qp, kp, vp = (F.pad(t, pad) for t in (q, k, v))
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
-        idx, valid = self._gather_index(nb, q.device)
+        # compiled, the encoder's prelude has read the seed (prepare); eager, a direct call reads it here
+        seed = self._seed if torch.compiler.is_compiling() else self._host_seed()
+        idx, valid = self._gather_index(nb, seed, q.device)
         width = idx.shape[1]
 
         k_sel = kp.view(b, h, nb, bs, d)[:, :, idx].reshape(b, h, nb, width * bs, d)

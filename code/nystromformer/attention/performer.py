@@ -17,7 +17,8 @@ Feature redraw: the projection is a buffer (saved in checkpoints) redrawn every
 ``performer_redraw_interval`` training forward passes (0: never); evaluation never redraws. The count is kept by
 ``prepare()``, which the encoder calls once per pass, eagerly, outside any recompute — with
 ``attention_grad_checkpointing`` the backward runs ``forward`` again, which must see the features the forward saw —
-and in a Python int beside the buffer, so that counting reads nothing back from the device.
+and in a Python int beside the buffer (re-read only after an outside write: a load, a DDP broadcast), so that
+counting reads nothing back from the device.
 New features are drawn from a generator seeded by a hash of the current ones, a function of the saved state
 alone: every DDP rank draws the same features (the global RNG is seeded per rank), and a resumed run draws what
 an uninterrupted one would. Padded keys are exact: their features are zeroed.
@@ -74,11 +75,9 @@ class PerformerAttention(nn.Module):
         self.redraw_interval = config.performer_redraw_interval
         self.register_buffer("projection", orthogonal_gaussian(self.num_features, self.head_dim))
         self.register_buffer("forwards_since_redraw", torch.zeros((), dtype=torch.long))
-        self._since_redraw = 0  # the buffer's value, kept on the host (refreshed when a state dict is loaded)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._since_redraw = int(self.forwards_since_redraw)
+        # the buffer's value kept on the host, read back only when something else wrote the buffer (a state dict
+        # loaded, a DDP broadcast): counting reads nothing from the device
+        self._since_redraw, self._count_version = 0, self.forwards_since_redraw._version
 
     @torch.no_grad()
     def redraw(self) -> None:
@@ -87,15 +86,20 @@ class PerformerAttention(nn.Module):
         self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
         self._since_redraw = 0
         self.forwards_since_redraw.zero_()
+        self._count_version = self.forwards_since_redraw._version
 
     @torch.no_grad()
     def prepare(self, seq_len: int = 0, device=None) -> None:
         """Before each forward pass: in training, count it, redrawing the features when their interval is up."""
         if self.training and self.redraw_interval > 0:
+            count = self.forwards_since_redraw
+            if count._version != self._count_version:
+                self._since_redraw = int(count)
             if self._since_redraw >= self.redraw_interval:
                 self.redraw()
             self._since_redraw += 1
-            self.forwards_since_redraw.fill_(self._since_redraw)
+            count.fill_(self._since_redraw)
+            self._count_version = count._version
 
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here
