@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import fcntl
 import gc
+import inspect
 import math
 import os
 import signal
@@ -350,14 +351,18 @@ class PretrainRun:
             self.say(f"encoder compiled with torch.compile(mode={cfg.gpu_setting.compile!r}); the first steps "
                      f"include compilation")
         if rt.world_size > 1:
-            # Reformer's shared-QK attention leaves the key projection without a gradient. Buffers are broadcast
-            # once, here, not before every forward: each is the same on every rank by construction (Performer's
-            # redraws are seeded by its features, its count by the passes every rank makes; BigBird's seed is
-            # drawn from the run's seed), and a broadcast per step would make those two read them back from the
-            # device (their host copies follow outside writes).
-            self.ddp_model = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-                find_unused_parameters=cfg.model.attn_type == "reformer", broadcast_buffers=False)
+            # Reformer's shared-QK attention leaves the key projection without a gradient. Buffers are not
+            # broadcast before every forward: each is the same on every rank by construction (Performer's redraws
+            # are seeded by its features, its count by the passes every rank makes; BigBird's seed is drawn from
+            # the run's seed), and a broadcast per step would make those two read them back from the device (their
+            # host copies follow outside writes). torch ≥ 2.13 names this forward_sync_buffers (still synced once,
+            # here); its broadcast_buffers is deprecated.
+            ddp = torch.nn.parallel.DistributedDataParallel
+            no_step_sync = ({"forward_sync_buffers": False}
+                            if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters
+                            else {"broadcast_buffers": False})
+            self.ddp_model = ddp(self.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+                                 find_unused_parameters=cfg.model.attn_type == "reformer", **no_step_sync)
 
     # ------------------------------------------------------------------------------------------- one step
     def state_dict(self) -> dict:
