@@ -89,7 +89,7 @@ class PerformerAttention(nn.Module):
         self._count_version = self.forwards_since_redraw._version
 
     @torch.no_grad()
-    def prepare(self, seq_len: int = 0, device=None) -> None:
+    def prepare(self, seq_len: int, device) -> None:
         """Before each forward pass: in training, count it, redrawing the features when their interval is up."""
         if self.training and self.redraw_interval > 0:
             count = self.forwards_since_redraw

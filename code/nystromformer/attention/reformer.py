@@ -89,13 +89,14 @@ class ReformerAttention(nn.Module):
         rounds = self.num_hashes
         total = -(-n // c) * c
         chunks_per_round = total // c
-        nbk = max(2, chunks_per_round + chunks_per_round % 2)
+        shape = self.rotation_shape(n, h)
+        nbk = 2 * shape[-1]
         qp = F.pad(q, (0, 0, 0, total - n))
         vp = F.pad(v, (0, 0, 0, total - n))
         maskp = F.pad(mask.to(torch.bool), (0, total - n))
         keys = F.normalize(qp, dim=-1) * d ** -0.5
 
-        rot = self.rotation(self.rotation_shape(n, h), q.device, q.dtype)
+        rot = self.rotation(shape, q.device, q.dtype)
         rotated = torch.einsum("bhnd,hdrk->bhrnk", qp.detach(), rot)                # (b, h, r, N, nb/2)
         buckets = lsh_buckets(rotated)                                               # (b, h, r, N)
         del rotated  # O(N · nb) = O(N²/c) memory, inherent in LSH with nb ∝ N: freed before attention
