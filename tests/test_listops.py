@@ -1,6 +1,7 @@
 """LRA ListOps: generator vs an independent evaluator, limits, the TSV loader, and a tiny learning run."""
 import argparse
 import csv
+import inspect
 import json
 from pathlib import Path
 
@@ -11,7 +12,9 @@ from nystromformer.cli import main
 from nystromformer.config import ConfigError
 from nystromformer.lra import listops
 from nystromformer.lra.commands import add_train_arguments, run_train
-from nystromformer.lra.train import RunSettings, encode_splits, majority_accuracy, model_config, train_one
+from nystromformer.config import ATTENTION_TYPES
+from nystromformer.lra.train import (RunSettings, encode_splits, majority_accuracy, model_config, padded_length,
+                                     train_one)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "listops"
 
@@ -54,9 +57,13 @@ def test_generated_labels_agree_with_independent_evaluator_and_limits_hold():
 
 
 def test_lra_scale_lengths_and_depth():
-    rows = listops.generate(5, seed=0)  # LRA defaults: depth 10, 10 args, 500..2000 tokens
+    # LRA's defaults: depth 10, 10 arguments, strictly between 500 and 2000 tokens
+    defaults = {k: p.default for k, p in inspect.signature(listops.generate).parameters.items()}
+    assert (defaults["max_depth"], defaults["max_args"], defaults["min_length"], defaults["max_length"]) == \
+        (10, 10, 501, 1999)
+    rows = listops.generate(5, seed=0)
     for source, label in rows:
-        assert 500 <= len(source.split()) <= 2000 and listops.expression_depth(source) <= 9
+        assert 501 <= len(source.split()) <= 1999 and listops.expression_depth(source) <= 9
         assert listops.evaluate_expression(source) == label
 
 
@@ -342,21 +349,56 @@ def test_the_last_step_is_evaluated_when_steps_is_not_a_multiple_of_eval_every()
 def test_a_seed_fixes_the_whole_run_and_another_seed_gives_another():
     splits = tiny_splits()
     runs = [train_one("softmax", splits, RunSettings(**TINY, steps=4, eval_every=2, seed=seed)) for seed in (0, 0, 1)]
-    same = lambda a, b: {k: v for k, v in a.items() if k != "train_seconds"} == \
-        {k: v for k, v in b.items() if k != "train_seconds"}  # noqa: E731
+    timings = ("train_seconds", "eval_seconds")
+    same = lambda a, b: {k: v for k, v in a.items() if k not in timings} == \
+        {k: v for k, v in b.items() if k not in timings}  # noqa: E731
     assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
 
 
-def test_a_rows_prediction_does_not_depend_on_the_padding_its_batch_needs():
-    from nystromformer.lra.train import ListOpsClassifier, batches
+# Small enough for a test, long enough that each type runs its approximation, not exact attention on a short input
+SHORT_RUN_ATTENTION = {"nystrom": {"num_landmarks": 8}, "bigbird": {"block_size": 8}, "longformer": {"window_size": 8},
+                       "linformer": {"linformer_k": 16}, "linformer_revisited": {"linformer_k": 16},
+                       "performer": {"performer_num_features": 16}, "reformer": {"reformer_bucket_size": 8}}
+
+
+@pytest.mark.parametrize("attn_type", ATTENTION_TYPES)
+def test_a_rows_prediction_does_not_depend_on_its_batch_mates_or_the_batch_size(attn_type):
+    # Scored alone, or beside a row three times longer, a row gets the same logits: the types whose outputs move with
+    # the amount of padding (Nyström's landmarks, Reformer's buckets, BigBird's blocks) are padded to --max-length,
+    # and Nyström's batch-wide pseudo-inverse scale is taken per row (before 2026-11-29, each padded to its batch's longest row, logits moved by 2e-3 to 5e-3 here, and by up to 3.6 at LRA lengths).
+    from nystromformer.lra.train import ListOpsClassifier, accuracy
     torch.manual_seed(0)
-    model = ListOpsClassifier(model_config("softmax", RunSettings(**TINY, steps=2, dropout=0.0)), hidden=16).eval()
-    short, long = (listops.encode(s.split(), 24) for s in ("[MAX 1 2 ]", "[MIN 3 [SM 4 5 6 ] 7 8 ]"))
-    [(ids, mask, _)] = batches([(short, 0), (long, 0)], 2, shuffle=False)
-    assert torch.equal(mask.bool(), ids != listops.PAD_ID)
-    [(alone_ids, alone_mask, _)] = batches([(short, 0)], 1, shuffle=False)
-    with torch.no_grad():
-        assert torch.allclose(model(ids, mask)[0], model(alone_ids, alone_mask)[0], atol=1e-5)
+    s = RunSettings(dim=16, num_head=2, ffn_dim=16, warmup=1, steps=2, max_length=96, dropout=0.0)
+    model = ListOpsClassifier(model_config(attn_type, s, SHORT_RUN_ATTENTION.get(attn_type)), hidden=16)
+    with torch.no_grad():  # larger weights than the init's, so that attention's differences reach the logits
+        for p in model.parameters():
+            p.mul_(4.0)
+    short = listops.encode(("[MAX " + " ".join("[MIN 2 3 7 ]" for _ in range(6)) + " ]").split(), 96)
+    long = listops.encode(("[SM " + " ".join("[MED 1 5 9 ]" for _ in range(18)) + " ]").split(), 96)
+    assert len(short) == 32 and len(long) == 92  # several landmark segments, blocks and buckets either way
+    pad_to = padded_length(attn_type, s)
+    logits = []
+    model.register_forward_hook(lambda module, inputs, output: logits.append(output[0]))
+    accuracy(model, [(short, 0)], 1, "cpu", pad_to=pad_to)
+    accuracy(model, [(short, 0), (long, 0)], 2, "cpu", pad_to=pad_to)
+    assert model.training  # accuracy() leaves the mode it found
+    assert logits[0].abs().max() > 0.1
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+
+
+def test_batches_pad_to_the_given_length_and_refuse_a_longer_row():
+    from nystromformer.lra.train import batches
+    rows = [([5, 6, 7], 1), ([5], 2)]
+    [(ids, mask, y)] = batches(rows, 2, shuffle=False, pad_to=6)
+    assert ids.tolist() == [[5, 6, 7] + [listops.PAD_ID] * 3, [5] + [listops.PAD_ID] * 5]
+    assert mask.sum(1).tolist() == [3, 1] and y.tolist() == [1, 2]
+    [(ids, _, _)] = batches(rows, 2, shuffle=False)
+    assert ids.shape == (2, 3)
+    with pytest.raises(ValueError, match="a row of 3 tokens does not fit the padded length 2"):
+        next(batches(rows, 2, shuffle=False, pad_to=2))
+    s = RunSettings(max_length=96)
+    assert {t: padded_length(t, s) for t in ("nystrom", "reformer", "bigbird", "softmax", "linear")} == \
+        {"nystrom": 96, "reformer": 96, "bigbird": 96, "softmax": None, "linear": None}
 
 
 def test_majority_accuracy_takes_the_class_from_training_and_the_table_reports_the_sample_deviation(tmp_path):
@@ -364,7 +406,8 @@ def test_majority_accuracy_takes_the_class_from_training_and_the_table_reports_t
     train, test = [([1], 3)] * 3 + [([1], 4)], [([1], 4)] * 3 + [([1], 3)]
     assert majority_accuracy(train, test) == 0.25
     runs = [{"attn_type": "softmax", "seed": seed, "test_accuracy": acc, "best_dev_accuracy": acc, "best_step": 1,
-             "steps": 1, "train_seconds": 0, "params": 1} for seed, acc in ((0, 0.5), (1, 0.7))]
+             "steps": 1, "train_seconds": 0, "eval_seconds": 0, "padding": "to the longest row", "params": 1}
+            for seed, acc in ((0, 0.5), (1, 0.7))]
     write_results(runs, tmp_path, "t", RunSettings(), 0.1)
     assert "| softmax | 2 | 60.00 ± 14.14 | 60.00 ± 14.14 |" in (tmp_path / "listops_results.md").read_text()
 
@@ -377,3 +420,57 @@ def test_eval_batches_reads_exactly_that_many_batches():
     model.register_forward_hook(lambda module, inputs, output: seen.append(len(output)))
     accuracy(model, rows, 8, "cpu", max_batches=2)
     assert seen == [8, 8]
+
+
+def test_held_out_splits_stay_the_same_trees_whatever_the_training_size():
+    from nystromformer.lra.commands import add_gen_arguments, generate_from_args
+    p = argparse.ArgumentParser()
+    add_gen_arguments(p)
+    small, large = (generate_from_args(p.parse_args(
+        ["--out", "unused", "--train-size", size, "--dev-size", "10", "--test-size", "10", "--max-depth", "3",
+         "--max-args", "4", "--min-length", "5", "--gen-max-length", "40"])) for size in ("50", "60"))
+    assert small["test"] == large["test"] and small["dev"] == large["dev"]
+    assert small["train"] == large["train"][:50]
+
+
+def test_the_log_separates_calls_types_and_seeds(tmp_path):
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    flags = ["--data", str(FIXTURES), "--out", str(tmp_path), "--attn-types", "softmax,linear", "--seeds", "0,1",
+             "--steps", "2", "--eval-every", "1", "--warmup", "1", "--max-length", "32", "--dim", "16",
+             "--ffn-dim", "16"]
+    assert run_train(p.parse_args(flags)) == 0
+    assert run_train(p.parse_args(flags)) == 0  # a second call into the same folder appends
+    records = [json.loads(line) for line in open(tmp_path / "listops_log.jsonl")]
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    assert len(starts) == 2 and records[0]["seeds"] == [0, 1] and records[0]["attn_types"] == ["softmax", "linear"]
+    for call in (records[starts[0] + 1:starts[1]], records[starts[1] + 1:]):
+        curves = {(r["attn_type"], r["seed"]): [] for r in call if "step" in r}
+        for r in call:
+            if "dev_accuracy" in r:
+                curves[r["attn_type"], r["seed"]].append(r["step"])
+        assert curves == {(t, seed): [1, 2] for t in ("softmax", "linear") for seed in (0, 1)}
+
+
+def test_the_time_limit_striking_on_the_last_planned_step_is_not_an_early_stop():
+    data = [(listops.encode("[MAX 1 2 ]".split(), 16), 2)] * 8
+    lines = []
+    s = RunSettings(dim=16, num_head=2, ffn_dim=16, batch_size=4, warmup=0, steps=1, eval_every=50, max_length=16,
+                    time_limit_s=0.0)
+    result = train_one("softmax", {"train": data, "dev": data, "test": data}, s, log=lines.append)
+    assert result["steps"] == 1 and len(lines) == 1 and "stopped_early" not in lines[0]
+
+
+def test_the_logged_loss_is_the_mean_since_the_last_evaluation(monkeypatch):
+    from nystromformer.lra import train as lra_train
+    losses = iter([4.0, 2.0, 3.0, 1.0])
+    real = lra_train.F.cross_entropy
+
+    def cross_entropy(*args, **kwargs):  # the real loss, shifted to the scripted value (its gradient unchanged)
+        loss = real(*args, **kwargs)
+        return loss - loss.detach() + next(losses)
+
+    monkeypatch.setattr(lra_train.F, "cross_entropy", cross_entropy)
+    lines = []
+    train_one("softmax", tiny_splits(), RunSettings(**TINY, steps=4, eval_every=2), log=lines.append)
+    assert [json.loads(line)["loss"] for line in lines] == [3.0, 2.0]

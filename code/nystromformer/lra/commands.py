@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import datetime, timezone
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def check_generation_arguments(args) -> None:
 
 def generate_from_args(args) -> dict:
     check_generation_arguments(args)
-    sizes = {"train": args.train_size, "dev": args.dev_size, "test": args.test_size}
+    # Held-out splits first: the test and dev sets stay the same trees whatever --train-size (cut train-first before
+    # 2026-11-29, so runs with other training sizes were scored on other test sets)
+    sizes = {"test": args.test_size, "dev": args.dev_size, "train": args.train_size}
     return listops.generate_splits(sizes, seed=args.data_seed, max_depth=args.max_depth, max_args=args.max_args,
                                    min_length=args.min_length, max_length=args.gen_max_length)
 
@@ -185,11 +188,17 @@ def run_train(args) -> int:
     raw = listops.load_lra_dir(args.data) if args.data else generate_from_args(args)
     splits = encode_splits(raw, settings.max_length)
     args.out.mkdir(parents=True, exist_ok=True)
+    # Appended to, so that the runs of earlier calls stay; each call starts with a "start" record, and every
+    # record names its attention type and seed, so curves split by call, type and seed.
     with open(args.out / "listops_log.jsonl", "a") as log_file:
         def log(line):
             print(line, flush=True)
             log_file.write(line + "\n")
             log_file.flush()
+
+        log(json.dumps({"event": "start", "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "attn_types": names, "seeds": seeds, "settings": settings.__dict__, "set": overrides,
+                        "data": str(args.data) if args.data else "generated"}))
 
         results = []
         for name in names:

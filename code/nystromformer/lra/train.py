@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from .. import atomic
 from ..cli import say
 from ..config import ModelConfig, config_from_dict
-from ..model import Encoder, init_weights
+from ..attention import PADDING_AMOUNT_MATTERS
+from ..model import Encoder, init_weights, set_batch_groups
 from ..errors import UserError
 from ..runtime import linear_warmup_decay, resolve_device
 from . import listops
@@ -118,32 +119,52 @@ def model_config(attn_type: str, s: RunSettings, overrides: Optional[dict] = Non
     return config_from_dict({"model": model}).model
 
 
-def batches(data: List[Tuple[List[int], int]], batch_size: int, shuffle: bool, rng: Optional[random.Random] = None):
+def padded_length(attn_type: str, s: RunSettings) -> Optional[int]:
+    """--max-length for the attention types whose outputs depend on the amount of padding (Nyström's segment-mean
+    landmarks, Reformer's bucket count, BigBird's block layout move with the padded length), as the authors' LRA
+    code pads every input to 2000; None (each batch to its longest row) for the others, whose outputs do not."""
+    return s.max_length if attn_type in PADDING_AMOUNT_MATTERS else None
+
+
+def batches(data: List[Tuple[List[int], int]], batch_size: int, shuffle: bool, rng: Optional[random.Random] = None,
+            pad_to: Optional[int] = None):
+    """(ids, mask, labels) batches, padded to ``pad_to`` tokens, or to the batch's longest row when None."""
     order = list(range(len(data)))
     if shuffle:
         rng.shuffle(order)
     for i in range(0, len(order), batch_size):
         chunk = [data[j] for j in order[i:i + batch_size]]
-        n = max(len(ids) for ids, _ in chunk)
+        n = pad_to or max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), n), listops.PAD_ID, dtype=torch.long)
         mask = torch.zeros(len(chunk), n, dtype=torch.long)
         for r, (seq, _) in enumerate(chunk):
+            if len(seq) > n:
+                raise ValueError(f"a row of {len(seq)} tokens does not fit the padded length {n}")
             ids[r, :len(seq)] = torch.tensor(seq)
             mask[r, :len(seq)] = 1
         yield ids, mask, torch.tensor([lab for _, lab in chunk])
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data, batch_size: int, device, max_batches: Optional[int] = None) -> float:
+def accuracy(model: nn.Module, data, batch_size: int, device, max_batches: Optional[int] = None,
+             pad_to: Optional[int] = None) -> float:
+    """Accuracy of ``model`` on ``data``, each row predicted alone: padded as in training (``pad_to``) and with
+    batch-wide statistics (Nyström's "original" pseudo-inverse init) taken per row, so that no prediction moves with
+    its batch mates or the batch size (as GLUE's predictions, docs/glue.md). The model's mode is restored."""
+    was_training = model.training
     model.eval()
+    set_batch_groups(model, 1)
     correct = total = 0
-    for i, (ids, mask, y) in enumerate(batches(data, batch_size, shuffle=False)):
-        if max_batches is not None and i >= max_batches:
-            break
-        pred = model(ids.to(device), mask.to(device)).argmax(-1).cpu()
-        correct += int((pred == y).sum())
-        total += len(y)
-    model.train()
+    try:
+        for i, (ids, mask, y) in enumerate(batches(data, batch_size, shuffle=False, pad_to=pad_to)):
+            if max_batches is not None and i >= max_batches:
+                break
+            pred = model(ids.to(device), mask.to(device)).argmax(-1).cpu()
+            correct += int((pred == y).sum())
+            total += len(y)
+    finally:
+        set_batch_groups(model, None)  # training takes its statistics over the batch, as the paper's recipe
+        model.train(was_training)
     return correct / max(total, 1)
 
 
@@ -156,38 +177,51 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
     rng = random.Random(s.seed)
     device = resolve_device(s.device)
     model = ListOpsClassifier(model_config(attn_type, s, overrides), hidden=s.ffn_dim).to(device)
+    pad_to = padded_length(attn_type, s)
     opt = torch.optim.AdamW(model.parameters(), lr=s.learning_rate, weight_decay=s.weight_decay)
     schedule = linear_warmup_decay(opt, s.steps, s.warmup)
     best_dev, best_state, best_step = -1.0, None, 0
-    step, start = 0, time.time()
+    step, start, eval_seconds = 0, time.time(), 0.0
+    loss_sum, loss_steps = 0.0, 0  # the logged loss: the mean over the steps since the last evaluation
     stopped_early = False
     model.train()
     while step < s.steps and not stopped_early:
-        for ids, mask, y in batches(splits["train"], s.batch_size, shuffle=True, rng=rng):
+        for ids, mask, y in batches(splits["train"], s.batch_size, shuffle=True, rng=rng, pad_to=pad_to):
             loss = F.cross_entropy(model(ids.to(device), mask.to(device)), y.to(device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             schedule.step()
             step += 1
-            stopped_early = s.time_limit_s is not None and time.time() - start > s.time_limit_s
+            loss_sum, loss_steps = loss_sum + loss.item(), loss_steps + 1
+            # stopped early: the time limit struck before the planned last step (not on it)
+            stopped_early = (s.time_limit_s is not None and step < s.steps
+                             and time.time() - start > s.time_limit_s)
             if step % s.eval_every == 0 or step == s.steps or stopped_early:
-                dev = accuracy(model, splits["dev"], s.batch_size, device, s.eval_batches)
+                eval_start = time.time()
+                dev = accuracy(model, splits["dev"], s.batch_size, device, s.eval_batches, pad_to)
+                eval_seconds += time.time() - eval_start
                 if log:
-                    log(json.dumps({"attn_type": attn_type, "step": step, "loss": round(loss.item(), 4),
-                                    "dev_accuracy": round(dev, 4), "elapsed_s": round(time.time() - start, 1)}))
+                    log(json.dumps({"attn_type": attn_type, "seed": s.seed, "step": step,
+                                    "loss": round(loss_sum / loss_steps, 4), "dev_accuracy": round(dev, 4),
+                                    "elapsed_s": round(time.time() - start, 1)}))
+                loss_sum, loss_steps = 0.0, 0
                 if dev > best_dev:
                     best_dev, best_step = dev, step
                     best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
             if step >= s.steps or stopped_early:
                 break
+    train_seconds = time.time() - start - eval_seconds
     model.load_state_dict(best_state)
-    test = accuracy(model, splits["test"], s.batch_size, device)
+    eval_start = time.time()
+    test = accuracy(model, splits["test"], s.batch_size, device, pad_to=pad_to)
+    eval_seconds += time.time() - eval_start
     if stopped_early and log:
-        log(json.dumps({"attn_type": attn_type, "stopped_early": True, "step": step, "planned_steps": s.steps,
-                        "time_limit_s": s.time_limit_s}))
+        log(json.dumps({"attn_type": attn_type, "seed": s.seed, "stopped_early": True, "step": step,
+                        "planned_steps": s.steps, "time_limit_s": s.time_limit_s}))
     return {"attn_type": attn_type, "seed": s.seed, "best_dev_accuracy": best_dev, "best_step": best_step,
-            "test_accuracy": test, "steps": step, "train_seconds": round(time.time() - start, 1),
+            "test_accuracy": test, "steps": step, "train_seconds": round(train_seconds, 1),
+            "eval_seconds": round(eval_seconds, 1), "padding": f"to {pad_to} tokens" if pad_to else "to the longest row",
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -217,7 +251,8 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
     """``listops_results.csv`` (one row per run) and ``listops_results.md`` (the runs, then mean ± sample standard
     deviation over seeds for each attention type that ran with more than one seed)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    cols = ["attn_type", "seed", "test_accuracy", "best_dev_accuracy", "best_step", "steps", "train_seconds", "params"]
+    cols = ["attn_type", "seed", "test_accuracy", "best_dev_accuracy", "best_step", "steps", "train_seconds",
+            "eval_seconds", "padding", "params"]
     table = io.StringIO(newline="")
     w = csv.DictWriter(table, fieldnames=cols)
     w.writeheader()
@@ -229,12 +264,13 @@ def write_results(results: List[dict], out_dir: Path, title: str, settings: RunS
              "seeds": list(dict.fromkeys(r["seed"] for r in results))}
     lines = [f"## {title}", "", f"Settings: `{json.dumps(shown)}`", "",
              f"Majority-class test accuracy: {100 * majority:.2f}%", "",
-             "| attention | seed | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | params |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| attention | seed | test acc. (%) | best dev acc. (%) | best step | steps | train time (s) | "
+             "eval time (s) | padding | params |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['attn_type']} | {r['seed']} | {100 * r['test_accuracy']:.2f} | "
                      f"{100 * r['best_dev_accuracy']:.2f} | {r['best_step']} | {r['steps']} | {r['train_seconds']} | "
-                     f"{r['params']} |")
+                     f"{r['eval_seconds']} | {r['padding']} | {r['params']} |")
     by_type: Dict[str, List[dict]] = {}
     for r in results:
         by_type.setdefault(r["attn_type"], []).append(r)
