@@ -110,3 +110,37 @@ def test_a_word_cache_that_disagrees_with_the_tokenizer_on_the_probe_is_not_used
     assert encoder.word_cache is None and "disagrees with the tokenizer on a probe text" in caplog.text
     text = "Tokenizers must agree id for id."
     assert encoder.encode([text])[0].tolist() == library_ids(roberta, text)
+
+
+@pytest.fixture
+def roberta_saving_truncation_and_padding(roberta, tmp_path):
+    """RoBERTa from a folder whose tokenizer.json enables truncation to 8 ids and padding to the batch's longest,
+    as a tokenizer saved after `tokenizer(..., truncation=True, padding=True)` can."""
+    import json
+    import shutil
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(roberta.name_or_path, folder)
+    config = json.loads(roberta.backend_tokenizer.to_str())
+    config["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    config["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                         "pad_id": roberta.pad_token_id, "pad_type_id": 0, "pad_token": roberta.pad_token}
+    (folder / "tokenizer.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.backend_tokenizer.truncation and tokenizer.backend_tokenizer.padding  # as saved
+    return tokenizer
+
+
+@pytest.mark.parametrize("word_cache", [True, False], ids=["word-cache", "library"])
+def test_truncation_and_padding_saved_in_a_tokenizer_json_neither_cut_nor_pad_documents(
+        roberta_saving_truncation_and_padding, word_cache):
+    # Whole documents are packed into one stream: a cut document loses text, a <pad> id inside the stream is
+    # masked out of attention. tokenizer(text) disables both per call; the encoder must too.
+    tokenizer = roberta_saving_truncation_and_padding
+    docs = ["one two three four five six seven eight nine ten eleven twelve", "short",
+            "a document that spells <mask> and </s> goes through the library even with the word cache on"]
+    encoder = DocumentEncoder(tokenizer, allow_word_cache=word_cache)
+    assert tokenizer.backend_tokenizer.truncation  # the caller's tokenizer is unchanged (tokenizer() resets it)
+    assert (encoder.word_cache is not None) == word_cache  # (the probe text agrees: not cut to 8 ids)
+    expected = [library_ids(tokenizer, d) for d in docs]
+    assert len(expected[0]) > 8 and len(expected[1]) < 8
+    assert [ids.tolist() for ids in encoder.encode(docs)] == expected

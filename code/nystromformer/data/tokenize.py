@@ -116,6 +116,10 @@ class DocumentEncoder:
         # tokenizer(text) would not (split_special_tokens=True does). A copy: the caller's tokenizer is unchanged.
         self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         self.backend.encode_special_tokens = True
+        # A tokenizer.json may save truncation (e.g. to 512) and padding, which the copy keeps: documents would be
+        # cut short, or <pad> ids packed into the stream. tokenizer(text) overrides both per call; so do we, once.
+        self.backend.no_truncation()
+        self.backend.no_padding()
         self.word_cache = None
         if allow_word_cache is None:  # NYSTROMFORMER_NO_WORD_CACHE=1 forces the Rust backend (for comparisons)
             allow_word_cache = os.environ.get("NYSTROMFORMER_NO_WORD_CACHE", "0") in ("", "0")
