@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nystromformer.data.build import BuildError, build_shards, dev_split_warning, parse_dataset
-from nystromformer.data.partitions import partition_files, read_partition, write_partitions
+from nystromformer.data.partitions import PartitionError, partition_files, read_partition, write_partitions
 from nystromformer.data.readers import READERS, SkipLog, expand_inputs, INPUT_PATTERNS
 from nystromformer.data.tokenize import train_tokenizer
 from nystromformer.shards import ShardedSequences
@@ -109,11 +109,14 @@ def test_shard_size_bounds_rows_per_shard(partitions, trained_tokenizer, tmp_pat
     assert index["num_sequences"] == sum(s["num_sequences"] for s in index["shards"])
 
 
-def test_dev_split_is_deterministic_about_a_tenth_and_depends_on_the_seed(partitions, trained_tokenizer, tmp_path):
-    a = build(partitions, trained_tokenizer, tmp_path / "a", seq_len=16, dev_run=1)
-    b = build(partitions, trained_tokenizer, tmp_path / "b", seq_len=16, workers=1, dev_run=1)
+def test_dev_split_is_deterministic_whatever_the_workers_about_a_tenth_and_depends_on_the_seed(
+        partitions, trained_tokenizer, tmp_path):
+    a = build(partitions, trained_tokenizer, tmp_path / "a", seq_len=16, workers=1, dev_run=1)
+    # in spawned processes, which finish the files in any order
+    b = build(partitions, trained_tokenizer, tmp_path / "b", seq_len=16, workers=2, dev_run=1)
     c = build(partitions, trained_tokenizer, tmp_path / "c", seq_len=16, seed=1, dev_run=1)
-    assert np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "b", "dev"))
+    for split in ("train", "dev"):
+        assert np.array_equal(all_rows(tmp_path / "a", split), all_rows(tmp_path / "b", split))
     assert not np.array_equal(all_rows(tmp_path / "a", "dev"), all_rows(tmp_path / "c", "dev"))
     assert 0.05 < a["dev_sequences"] / (a["train_sequences"] + a["dev_sequences"]) < 0.15
     assert a == b and a["train_sequences"] + a["dev_sequences"] == c["train_sequences"] + c["dev_sequences"]
@@ -293,6 +296,40 @@ def test_each_partition_file_draws_its_own_split_not_the_same_pattern_in_every_f
     assert first != second
 
 
+@pytest.mark.parametrize("victim, other", [("books1/part-00000.txt", "books[12]/part-00000.txt"),
+                                           ("books/part-00000-b.txt", "books/part-00000.txt")],
+                         ids=["folder-name-with-brackets", "partition-name-prefix"])
+def test_encoding_a_partition_file_deletes_only_its_own_old_shards(partitions, trained_tokenizer, tmp_path, victim,
+                                                                   other):
+    # Read as glob patterns, "books[12]--part-00000-*.npy" matches books1's shards and "books--part-00000-*.npy"
+    # those of part-00000-b: encoding the one deleted the shards of the other, encoded before it.
+    text = partition_files(partitions / "stories")[0].read_text()
+    for root, files in (("alone", [victim]), ("both", [victim, other])):
+        for name in files:
+            (tmp_path / root / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / root / name).write_text(text)
+    build(tmp_path / "alone", trained_tokenizer, tmp_path / "alone-shards", datasets=(victim.split("/")[0],))
+    build(tmp_path / "both", trained_tokenizer, tmp_path / "both-shards",
+          datasets=tuple(dict.fromkeys(name.split("/")[0] for name in (victim, other))))
+    own = sorted(p.name for p in (tmp_path / "alone-shards").glob("*.npy"))
+    assert own
+    for name in own:
+        assert np.array_equal(np.load(tmp_path / "alone-shards" / name), np.load(tmp_path / "both-shards" / name))
+
+
+def test_a_finished_partition_whose_shard_was_deleted_is_encoded_again_not_a_crash(partitions, trained_tokenizer,
+                                                                                   tmp_path, caplog):
+    build(partitions, trained_tokenizer, tmp_path, datasets=("stories",))
+    clean = {split: all_rows(tmp_path, split) for split in ("train", "dev")}
+    shard = json.loads((tmp_path / "manifest" / "stories--part-00001.json").read_text())["shards"]["train"][0]
+    (tmp_path / shard).unlink()
+    with caplog.at_level("WARNING", logger="nystromformer.data"):
+        build(partitions, trained_tokenizer, tmp_path, datasets=("stories",))
+    assert f"stories--part-00001.json lists 1 shard(s) that do not exist (e.g. {shard})" in caplog.text
+    for split in ("train", "dev"):
+        assert np.array_equal(all_rows(tmp_path, split), clean[split])
+
+
 def test_rerunning_a_finished_build_touches_no_file(partitions, trained_tokenizer, tmp_path):
     build(partitions, trained_tokenizer, tmp_path)
     before = file_states(tmp_path)
@@ -377,6 +414,26 @@ def test_a_failed_build_writes_nothing_so_the_corrected_command_runs(partitions,
     assert set(stats["datasets"]) == {"wiki", "stories"}
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_build_failing_on_its_first_partition_leaves_nothing_so_a_corrected_command_with_other_settings_runs(
+        partitions, trained_tokenizer, tmp_path, workers):
+    # meta.json used to be written before any partition was read: the folder, holding no shard, then refused the
+    # corrected command's settings as those of "a folder built with other settings".
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "part-00000.txt").write_bytes(b"a caf\xe9 document\n")
+    for name in ("stories", "wiki"):
+        shutil.copytree(partitions / name, tmp_path / name)
+    out = tmp_path / "out"
+    # (With workers, the bad partition alone: the others, encoded at the same time, could write shards first.)
+    failing = ("latin1", "stories") if workers == 1 else ("latin1",)
+    with pytest.raises(PartitionError, match=r"latin1/part-00000.txt:1: not UTF-8"):
+        build(tmp_path, trained_tokenizer, out, datasets=failing, workers=workers)
+    assert not out.exists()
+    stats = build(tmp_path, trained_tokenizer, out, datasets=("stories", "wiki"), seq_len=16, workers=workers)
+    assert set(stats["datasets"]) == {"stories", "wiki"} and stats["train_sequences"]
+    assert json.loads((out / "meta.json").read_text())["max_seq_len"] == 16
+
+
 def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, trained_tokenizer, tmp_path,
                                                                    monkeypatch):
     out = tmp_path / "out"
@@ -415,6 +472,20 @@ def test_a_resume_after_the_tokenizer_folders_files_changed_is_refused(partition
     del meta["tokenizer_files_sha256"]
     (out / "meta.json").write_text(json.dumps(meta))
     build(partitions, tokenizer, out, datasets=("stories",))
+
+
+@pytest.mark.parametrize("bad_id", [400, 65536 + 5, -1], ids=["vocab-size", "wraps-to-5-in-uint16", "negative"])
+def test_a_token_id_outside_the_vocabulary_is_an_error_naming_it_not_wrapped_into_the_shard_dtype(
+        partitions, trained_tokenizer, tmp_path, monkeypatch, bad_id):
+    # A tokenizer whose ids pass its length (len(tokenizer) is the vocab_size the model gets) would index past the
+    # embedding table; cast to uint16 first, 65,541 became 5, a valid id for another token.
+    from nystromformer.data.tokenize import DocumentEncoder
+    encode = DocumentEncoder.encode
+    monkeypatch.setattr(DocumentEncoder, "encode", lambda self, docs: [np.insert(ids, 0, bad_id)
+                                                                       for ids in encode(self, docs)])
+    with pytest.raises(BuildError, match=rf"stories/part-00000.txt: document 1 encodes to token id {bad_id}, not "
+                                         rf"in \[0, 400\)"):
+        build(partitions, trained_tokenizer, tmp_path, datasets=("stories",))
 
 
 def test_a_dataset_contributing_no_sequences_is_warned_about_and_recorded(partitions, trained_tokenizer, tmp_path,

@@ -24,7 +24,8 @@ and after it is encoded, and all of them before the indexes are written; a chang
 content did not change as a new file (a new inode) with the old mtime, and that file stays finished.
 Finally ``train.json``/``dev.json``, ``meta.json`` and ``stats.json`` are (re)written only when they change, so a
 re-run of a finished build touches no file. Every input (partition folders, tokenizer, settings against an existing
-``meta.json``) is checked before the first file is written, so a mistyped command leaves no trace.
+``meta.json``) is checked before the first file is written, so a mistyped command leaves no trace; and a new folder's
+``meta.json`` comes with its first shard or manifest entry, so neither does one failing on its first partition file.
 """
 from __future__ import annotations
 
@@ -134,11 +135,8 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     run_rng = np.random.default_rng([seed, zlib.crc32(task.key.encode()), 1])  # one draw per run of dev_run
     run_is_dev: List[bool] = []
     run_tokens = dev_run * DEV_RUN_UNIT
-    for old in output.glob(f"{task.key}-*.npy"):  # from an interrupted or outdated run of this file
+    for old in _shard_files(output, task.key):  # from an interrupted or outdated run of this file
         old.unlink()
-    for stale in output.glob(f".{task.key}-*.npy.*.tmp"):  # a shard's temporary, left by a hard kill mid-write
-        if stale.is_file():
-            stale.unlink()
     shards: Dict[str, List[str]] = {"train": [], "dev": []}
     rows: Dict[str, List[np.ndarray]] = {"train": [], "dev": []}
     stats = {"documents": 0, "tokens": 0, "sequences": 0, "sequences_sampled_out": 0, "tokens_dropped_tail": 0,
@@ -148,6 +146,7 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
         while rows[split] and (final or sum(len(r) for r in rows[split]) >= shard_size):
             stacked = np.concatenate(rows[split])
             name = f"{task.key}-{split}-{len(shards[split]):05d}.npy"
+            _write_meta_once(output, meta)
             write_shard(output / name, stacked[:shard_size], meta)
             shards[split].append(name)
             rows[split] = [stacked[shard_size:]] if len(stacked) > shard_size else []
@@ -178,6 +177,12 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
     pending: List[np.ndarray] = []
     pending_tokens = 0
     for ids in encoder.encode_partition(task.source):
+        # Checked before the cast to the shard dtype, which would wrap 65,541 round to 5 in uint16 unseen.
+        if len(ids) and not 0 <= ids.min() <= ids.max() < meta["vocab_size"]:
+            bad = int(ids.min() if ids.min() < 0 else ids.max())
+            raise BuildError(f"{task.source}: document {stats['documents'] + 1} encodes to token id {bad}, not in "
+                             f"[0, {meta['vocab_size']}) (vocab_size = len(tokenizer) of {meta['tokenizer']}): the "
+                             f"tokenizer gives ids past its own length")
         if stats["documents"]:
             pending.append(separator)
         pending.append(ids)
@@ -198,6 +203,18 @@ def encode_partition_to_shards(task: Task, encoder: DocumentEncoder, output: Pat
             "shard_rows": {split: [np.load(output / n, mmap_mode="r").shape[0] for n in names]
                            for split, names in shards.items()},
             "stats": stats}
+
+
+def _shard_files(output: Path, key: str) -> List[Path]:
+    """The shards ``<key>-<split>-<k>.npy`` of one partition file in ``output``, and their temporaries (left by a
+    hard kill mid-write), matched exactly: as a glob pattern the key of a folder named ``books[12]`` would match
+    the shards of ``books1``, and ``wiki--part-1`` those of ``wiki--part-1-b``."""
+    shard = rf"{re.escape(key)}-(?:train|dev)-[0-9]+\.npy"
+    own = re.compile(rf"{shard}|\.{shard}\..+\.tmp")
+    if not output.is_dir():  # a new build's folder is made with its first file
+        return []
+    with os.scandir(output) as entries:
+        return [output / e.name for e in entries if own.fullmatch(e.name) and e.is_file(follow_symlinks=False)]
 
 
 def _runs_split(first: int, count: int, block: int, run_tokens: int, run_is_dev: List[bool],
@@ -321,7 +338,9 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
                          # also from the data folder: the same layout mounted elsewhere (docker's /workspace)
                          "tokenizer_relative": os.path.relpath(os.path.abspath(tokenizer), os.path.abspath(output))}
                         if digest else {}))
-    _open_output(output, meta, tokenizer)
+    _check_existing_meta(output, meta, tokenizer)
+    for stale in output.glob(".meta.json.*.tmp"):  # a worker's, stopped mid-write when another worker's file failed
+        stale.unlink()
 
     pending = [t for t in tasks if not _finished(output, t)]
     log.info("%d of %d partition files to encode (%d already done)", len(pending), len(tasks),
@@ -329,6 +348,8 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     options = dict(shard_size=shard_size, dev_fraction=dev_fraction, seed=seed, dev_run=dev_run)
 
     def record(task: Task, entry: dict) -> None:
+        _write_meta_once(output, meta)  # (for a partition too short for a shard: its entry says it is finished)
+        _manifest_path(output, task).parent.mkdir(exist_ok=True)
         atomic.write_json(_manifest_path(output, task), entry)  # written after the shards: its presence means done
         if on_partition_done is not None:
             on_partition_done(task)
@@ -349,6 +370,7 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
     progress.close()
 
     _check_inputs_unchanged(datasets, tasks)
+    _write_meta_once(output, meta)
     # The split indexes and stats come from the manifest, in input order (not completion order).
     entries = [json.loads(_manifest_path(output, t).read_text()) for t in tasks]
     _write_split_indexes(output, entries)
@@ -366,7 +388,7 @@ def _check_options(datasets: Sequence[DatasetSpec], seq_len: int, shard_size: in
     if workers < 1:
         raise BuildError(f"--workers must be at least 1, got {workers}")
     if dev_run < 1:
-        raise BuildError(f"--dev-run must be at least 1 (sequences), got {dev_run}")
+        raise BuildError(f"--dev-run must be at least 1 (runs of that many × {DEV_RUN_UNIT} tokens), got {dev_run}")
     if seq_len < 3:
         raise BuildError(f"--seq-len must be at least 3 (<s>, one token, </s>), got {seq_len}")
     if not 0 <= dev_fraction < 1:
@@ -378,8 +400,9 @@ def _check_options(datasets: Sequence[DatasetSpec], seq_len: int, shard_size: in
         raise BuildError(f"two inputs share a folder name ({names}); the folder name is the dataset name")
 
 
-def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
-    """A new shard folder gets its meta.json; an existing one must have been built with the same settings."""
+def _check_existing_meta(output: Path, meta: dict, tokenizer: str) -> None:
+    """A folder holding a meta.json must have been built with the same settings (a new one gets its meta.json with
+    its first file: ``_write_meta_once``)."""
     existing = output / "meta.json"
     if existing.is_file():
         try:
@@ -404,8 +427,14 @@ def _open_output(output: Path, meta: dict, tokenizer: str) -> None:
         if changed:
             raise BuildError(f"{existing}: this folder was built with other settings ({'; '.join(changed)}); "
                              f"build into a new folder or delete it")
-    (output / MANIFEST_DIR).mkdir(parents=True, exist_ok=True)
-    if not existing.is_file():
+
+
+def _write_meta_once(output: Path, meta: dict) -> None:
+    """A new folder's meta.json is written with its first file (a shard or a manifest entry), not before: a build
+    that fails before that (a partition that is not UTF-8) leaves no folder that refuses the corrected command's
+    settings. Then it stays as written: a later run with other settings is refused (``_check_existing_meta``)."""
+    if not (output / "meta.json").is_file():
+        output.mkdir(parents=True, exist_ok=True)
         write_meta(output, meta)
 
 
@@ -414,8 +443,21 @@ def _manifest_path(output: Path, task: Task) -> Path:
 
 
 def _finished(output: Path, task: Task) -> bool:
+    """Whether the partition file's manifest entry exists, matches the file and its shards all exist (one deleted
+    by hand, or by an older build that matched the names of another folder's shards, is redone, not a crash when
+    the indexes are written)."""
     path = _manifest_path(output, task)
-    return path.is_file() and json.loads(path.read_text())["source"] == task.fingerprint()
+    if not path.is_file():
+        return False
+    entry = json.loads(path.read_text())
+    if entry["source"] != task.fingerprint():
+        return False
+    missing = [name for names in entry["shards"].values() for name in names if not (output / name).is_file()]
+    if missing:
+        log.warning("%s lists %d shard(s) that do not exist (e.g. %s): encoding %s again", path, len(missing),
+                    missing[0], task.source)
+        return False
+    return True
 
 
 def _check_inputs_unchanged(datasets: Sequence[DatasetSpec], tasks: List[Task]) -> None:
