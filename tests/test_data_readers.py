@@ -133,6 +133,31 @@ def test_a_file_reached_by_two_overlapping_inputs_is_read_once(tmp_path, caplog)
     assert "wiki_00: already an input" in caplog.text
 
 
+def test_files_in_hidden_folders_below_an_input_folder_are_not_read_like_hidden_files(tmp_path):
+    # .ipynb_checkpoints and .git hold copies of the inputs: read, every document would be in the corpus twice.
+    stories = tmp_path / "stories"
+    for name in ("a.txt", "sub/b.txt", ".a.txt", ".ipynb_checkpoints/a-checkpoint.txt", "sub/.git/b.txt",
+                 ".cache/sub/c.txt"):
+        (stories / name).parent.mkdir(parents=True, exist_ok=True)
+        (stories / name).write_text("a story")
+    assert expand_inputs([stories], "*.txt") == [stories / "a.txt", stories / "sub" / "b.txt"]
+    # Only names below the input folder count: a hidden folder given as the input (or above it) is read.
+    assert expand_inputs([stories / ".cache"], "*.txt") == [stories / ".cache" / "sub" / "c.txt"]
+
+
+def test_a_wiki_article_with_several_undecodable_lines_is_counted_once_as_the_article_skipped(tmp_path):
+    # The article is the unit skipped: two bad lines in one article are one undecodable_bytes skip, not two.
+    wiki = tmp_path / "wiki_00"
+    wiki.write_bytes(b'<doc id="1" url="u" title="Two">\nTwo\nbad \xff line\nfine line\nbad \xfe again\n</doc>\n'
+                     b'<doc id="2" url="u" title="Kept">\nKept\nkept text\n</doc>\n'
+                     b'<doc id="3" url="u" title="One">\nOne\nbad \xff only line\n</doc>\n')
+    skips = SkipLog()
+    assert list(wiki_documents([wiki], skips)) == ["kept text"]
+    assert skips.counts == {"undecodable_bytes": 2}
+    assert [e.split(": ")[0] for e in skips.examples["undecodable_bytes"]] == [f"{wiki}:3", f"{wiki}:13"]
+    assert all(e.endswith("; whole article skipped") for e in skips.examples["undecodable_bytes"])
+
+
 def test_a_book_whose_only_line_is_undecodable_is_counted_once_as_such(tmp_path):
     (tmp_path / "b.txt").write_bytes(b"bad \xff bytes only line\n")
     skips = SkipLog()

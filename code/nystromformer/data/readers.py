@@ -45,12 +45,15 @@ class SkipLog:
 def expand_inputs(inputs: Sequence[Path], pattern: str = "*") -> List[Path]:
     """Files named directly, plus the files matching ``pattern`` below each named folder, in sorted order. A file
     reached twice (overlapping inputs: a folder and a file in it, a link) is read once, with a warning: read twice,
-    its documents would be in the corpus twice, possibly once in dev and once in train."""
+    its documents would be in the corpus twice, possibly once in dev and once in train. Below a named folder, hidden
+    files and everything in hidden folders (a name starting with "."; ``.git``, ``.ipynb_checkpoints`` holding
+    copies of the inputs) are not read."""
     files: List[Path] = []
     seen: Dict[Path, Path] = {}
     for path in map(Path, inputs):
         if path.is_dir():
-            found = sorted(p for p in path.rglob(pattern) if p.is_file() and not p.name.startswith("."))
+            found = sorted(p for p in path.rglob(pattern)
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
         elif path.is_file():
             found = [path]
         else:
@@ -64,16 +67,18 @@ def expand_inputs(inputs: Sequence[Path], pattern: str = "*") -> List[Path]:
     return files
 
 
-def _decoded_lines(path: Path, skips: SkipLog) -> Iterator[tuple]:
-    """(line number, text or None) for each line; None marks a line with undecodable bytes (already counted). A
-    byte-order mark opening the file (as Windows editors write UTF-8) is not text: it is dropped."""
+def _decoded_lines(path: Path, skips: Optional[SkipLog]) -> Iterator[tuple]:
+    """(line number, text, None) for each line, or (line number, None, the UnicodeDecodeError) for a line with
+    undecodable bytes, counted in ``skips`` (None: the caller counts, once per document it drops). A byte-order
+    mark opening the file (as Windows editors write UTF-8) is not text: it is dropped."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
-                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n"), None
             except UnicodeDecodeError as e:
-                skips.skip("undecodable_bytes", f"{path}:{number}", str(e))
-                yield number, None
+                if skips is not None:
+                    skips.skip("undecodable_bytes", f"{path}:{number}", str(e))
+                yield number, None, e
 
 
 def _is_empty(path: Path, skips: SkipLog) -> bool:
@@ -116,8 +121,10 @@ def wiki_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
         body: Optional[List[str]] = None  # lines of the open document; None outside a document
         start = 0
         broken = False
-        for number, line in _decoded_lines(path, skips):
-            if line is None:  # undecodable bytes: drop the whole document they sit in
+        for number, line, error in _decoded_lines(path, None):
+            if line is None:  # undecodable bytes: drop the whole document they sit in, counted once
+                if not broken:
+                    skips.skip("undecodable_bytes", f"{path}:{number}", f"{error}; whole article skipped")
                 broken = True
                 continue
             if line.startswith("<doc"):
@@ -162,7 +169,7 @@ def bookcorpus_documents(files: Sequence[Path], skips: SkipLog,
             continue
         sentences: List[str] = []
         undecodable = False
-        for _, line in _decoded_lines(path, skips):
+        for _, line, _ in _decoded_lines(path, skips):
             if line is None:
                 undecodable = True
                 continue  # that one sentence is dropped (and counted)
@@ -204,7 +211,7 @@ def realnews_documents(files: Sequence[Path], skips: SkipLog) -> Iterator[str]:
     for path in files:
         if _is_empty(path, skips):
             continue
-        for number, line in _decoded_lines(path, skips):
+        for number, line, _ in _decoded_lines(path, skips):
             if line is None or not line.strip():
                 continue
             try:
