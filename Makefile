@@ -37,7 +37,8 @@ ifneq ($(filter-out $(KNOWN_CORPORA),$(CORPORA)),)
 $(error CORPORA: unknown corpus $(filter-out $(KNOWN_CORPORA),$(CORPORA)) (known: $(KNOWN_CORPORA)))
 endif
 endif
-# Dev split: runs of this many consecutive sequences (the paper's files held 8,192); small data needs fewer
+# Dev split: runs of this many × 510 tokens of text, at every --seq-len (8,192 sequences of 512, as the paper's
+# files held; the same text at 4096, so no length's dev text is another's training text); small data needs fewer
 DEV_RUN ?= 8192
 
 # Training

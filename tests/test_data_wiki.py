@@ -38,9 +38,12 @@ def test_real_wiki_dump_becomes_valid_resumable_shards(shared_dir, tmp_path):
     assert "onlyinclude>" not in text  # a transclusion tag of one page
 
     shards = tmp_path / "shards"
-    build = ["build-shards", tmp_path / "wiki", "--output", shards, "--tokenizer", roberta,
-             "--seq-len", SEQ_LEN, "--shard-size", 1000]
-    assert run_command(build + ["--workers", 2]) == 0
+
+    def build(output, workers):  # runs of 8 × 510 tokens, as the demo's: ~100 runs, each drawn dev or train
+        return run_command(["build-shards", tmp_path / "wiki", "--output", output, "--tokenizer", roberta,
+                            "--seq-len", SEQ_LEN, "--shard-size", 1000, "--dev-run", 8, "--workers", workers])
+
+    assert build(shards, workers=2) == 0
     meta = json.loads((shards / "meta.json").read_text())
     assert meta["vocab_size"] == 50265 and meta["special_tokens"]["mask"] == 50264 and meta["dtype"] == "uint16"
     total = 0
@@ -55,8 +58,15 @@ def test_real_wiki_dump_becomes_valid_resumable_shards(shared_dir, tmp_path):
     assert stats["train_sequences"] + stats["dev_sequences"] == total
 
     before = file_states(shards)
-    assert run_command(build + ["--workers", 1]) == 0  # a re-run (with other worker count) is a no-op
+    assert build(shards, workers=1) == 0  # a re-run (with other worker count) is a no-op
     assert file_states(shards) == before
+    # One process gives the same shards: a fresh build, since the re-run above skipped every partition.
+    in_process = tmp_path / "shards-in-process"
+    assert build(in_process, workers=1) == 0
+    for split in ("train", "dev"):
+        parallel, single = ShardedSequences(shards, split), ShardedSequences(in_process, split)
+        assert np.array_equal(parallel.rows(np.arange(len(parallel))), single.rows(np.arange(len(single))))
+    assert json.loads((in_process / "stats.json").read_text()) == stats
 
 
 DEMO_DUMP = Path(__file__).resolve().parents[1] / "demo" / "sample-pages-articles.xml.bz2"

@@ -165,7 +165,7 @@ def run_demo(out: Path) -> int:
     nystromformer("train-tokenizer", "--input", partitions, "--output", out / "tokenizer", "--vocab-size", "2000")
     banner("4/7 token shards at 128 and 512")
     for length in (128, 512):
-        # dev by runs of 8 consecutive sequences: the default (8,192, the paper's) exceeds this sample's size
+        # dev by runs of 8 × 510 tokens of text: the default (8,192 × 510, the paper's) exceeds this sample's size
         nystromformer("build-shards", "--seq-len", length, "--tokenizer", out / "tokenizer", "--dev-run", 8,
                       "--output", out / f"data-{length}", partitions)
     banner("5/7 pretrain a tiny Nyströmformer at 128, interrupt it, resume it")

@@ -3,8 +3,10 @@
 A data folder holds:
 - ``meta.json``: ``{"format": "nystromformer-shards", "version": 1, "max_seq_len", "vocab_size", "dtype",
   "tokenizer", "special_tokens": {"bos", "eos", "pad", "mask", "unk"}}``, plus what ``build-shards`` records of
-  how it was built ("datasets", "dev_fraction", "dev_run", "seed", "shard_size"; a resumed pretraining run checks
-  them, resume.DATA_META_KEYS)
+  how it was built: "datasets" (name -> sampling ratio), "dev_fraction", "dev_run", "dev_run_unit" (tokens per
+  unit of dev_run), "special_token_text" ("as text"), "seed", "shard_size", and for a tokenizer folder
+  "tokenizer_files_sha256" and "tokenizer_relative" (its path from the data folder); a resumed pretraining run
+  checks them (those listed in resume.DATA_META_KEYS)
 - ``train.json`` and ``dev.json``: ``{"num_sequences": N, "shards": [{"file": "wiki--part-00000-train-00000.npy",
   "num_sequences": n}, ...]}`` (file names relative to the folder; ``build-shards`` names them
   ``<dataset>--<partition>-<split>-<k>.npy``, see ``data/build.py``; any name works)
