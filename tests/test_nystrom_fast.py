@@ -1645,6 +1645,30 @@ def test_a_launch_settings_file_replaces_the_wrappers_settings_for_its_dtype_and
     assert nystrom_triton._launch("conv_raw", torch.bfloat16, **chosen) == dict(chosen, rows=16)
 
 
+def test_a_launch_settings_entry_applies_only_where_the_wrapper_chooses_what_it_chose_when_swept(
+        tmp_path, monkeypatch):
+    # The sweep times a setting against the wrapper's own choice at one shape: conv_weight_grad_mm chooses 64-row
+    # tiles at conv 33 but 16-row ones for fp32 at conv 65 (64 would need 290 KB of shared memory), so a "rows":
+    # 128 timed at conv 33 is no measurement at conv 65 — and would not compile there
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    path = tmp_path / "settings.json"
+    path.write_text('{"fp32": {"conv_weight_grad_mm": {"rows": 128, "when": {"rows": 64, "tiles": 8, '
+                    '"num_warps": 8}}}}')
+    monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(path))
+    monkeypatch.setattr(nystrom_triton, "LAUNCH_OVERRIDES", {})
+    fp32 = torch.float32
+    at_conv_33 = dict(zip(("rows", "tiles"), nystrom_triton.wgrad_mm_tiles(4, 33)), num_warps=8)
+    at_conv_65 = dict(zip(("rows", "tiles"), nystrom_triton.wgrad_mm_tiles(4, 65)), num_warps=8)
+    assert at_conv_33 != at_conv_65
+    assert nystrom_triton._launch("conv_weight_grad_mm", fp32, **at_conv_33) == dict(at_conv_33, rows=128)
+    with pytest.warns(UserWarning, match=r"conv_weight_grad_mm \(torch.float32\) was swept where it chose "
+                                         r"\{\"num_warps\": 8, \"rows\": 64, \"tiles\": 8\}; here it chooses "
+                                         r"\{\"num_warps\": 8, \"rows\": 16, \"tiles\": 32\}"):
+        assert nystrom_triton._launch("conv_weight_grad_mm", fp32, **at_conv_65) == at_conv_65
+
+
 @pytest.mark.parametrize("text,says", [
     (None, "cannot read it (No such file or directory)"),
     ('{"bf16": {"conv_raw": {"rows": 32}},\n "fp32": }', "not JSON (line 2: Expecting value)"),
@@ -1670,6 +1694,9 @@ def test_a_launch_settings_file_replaces_the_wrappers_settings_for_its_dtype_and
     ('{"bf16": {"conv_backward_raw": {"rows": 1024}}}', "bf16.conv_backward_raw.rows = 1024: expected"),
     ('{"bf16": {"lq_combine": {"parts": 12}}}', "bf16.lq_combine.parts = 12: expected a power of two from 1 to"),
     ('{"bf16": {"conv_raw": {"num_warps": 6}}}', "bf16.conv_raw.num_warps = 6: expected 1, 2, 4, 8 or 16"),
+    ('{"bf16": {"conv_raw": {"rows": 32, "when": 64}}}', "bf16.conv_raw.when must be an object of the wrapper's own"),
+    ('{"bf16": {"conv_raw": {"rows": 32, "when": {"parts": 2}}}}', "bf16.conv_raw.when.parts = 2: expected one of "
+                                                                  "the wrapper's own settings (rows, tiles, num_w"),
     ('{"fp32": {"lq_backward_raw": {"num_warps": 8}}}', "fp32.lq_backward_raw.num_warps = 8: Triton 3.6 "
                                                         "miscompiles pass 1's fp32 backward above 4 warps"),
 ])

@@ -348,7 +348,10 @@ def launch_settings() -> dict:
     wrappers' own, e.g. ``{"bf16": {"conv_raw": {"rows": 32, "num_stages": 2}}}`` — what
     ``bench/kernel_settings.py --best FILE`` writes after timing them on a GPU (settings differ by dtype: fp32
     tiles of a bf16-tuned size can overflow shared memory); {} when unset. Read once per path; a bad file is an
-    error naming the file and the key. Rows and tiles are still clamped to short sequences, as the wrappers' own."""
+    error naming the file and the key. Rows and tiles are still clamped to short sequences, as the wrappers' own.
+    An entry's optional ``"when"`` names the wrapper's own settings where it was swept, e.g. ``{"rows": 128, "when":
+    {"rows": 64, "tiles": 8}}``: where the wrapper chooses otherwise (another conv width or dtype size), the entry
+    was never timed there — it may not even fit the shared memory — and is not applied (a warning says so)."""
     path = os.environ.get("NYSTROM_LAUNCH_SETTINGS")
     return _read_launch_settings(path) if path else {}
 
@@ -387,7 +390,17 @@ def _check_launch_setting(where: str, dtype: str, wrapper: str, given) -> None:
     if not isinstance(given, dict):
         raise AttentionSettingError(f"{where}: {dtype}.{wrapper} must be an object of settings, got {given!r}")
     allowed = LAUNCH_SETTINGS[wrapper] + ("num_stages",)
+    when = given.get("when", {})  # the wrapper's own settings where it was swept (kernel_settings.py writes it)
+    if not isinstance(when, dict):
+        raise AttentionSettingError(f"{where}: {dtype}.{wrapper}.when must be an object of the wrapper's own "
+                                    f"settings, got {when!r}")
+    for key, value in when.items():
+        if key not in LAUNCH_SETTINGS[wrapper] or isinstance(value, bool) or not isinstance(value, int):
+            raise AttentionSettingError(f"{where}: {dtype}.{wrapper}.when.{key} = {value!r}: expected one of the "
+                                        f"wrapper's own settings ({', '.join(LAUNCH_SETTINGS[wrapper])}), an integer")
     for key, value in given.items():
+        if key == "when":
+            continue
         if key not in allowed:
             raise AttentionSettingError(f"{where}: {dtype}.{wrapper} has no setting {key!r}; it has "
                                         f"{', '.join(allowed)}")

@@ -29,6 +29,7 @@ Tested against the PyTorch reference under ``TRITON_INTERPRET=1`` on CPU (``test
 from __future__ import annotations
 
 import functools
+import json
 import os
 import warnings
 from typing import Optional
@@ -121,6 +122,8 @@ def _launch(wrapper: str, dtype: torch.dtype, **chosen) -> dict:
     otherwise Triton's default)."""
     from_file = (nystrom_fast.launch_settings().get(nystrom_fast.DTYPE_NAMES.get(dtype), {}).get(wrapper)
                  if "NYSTROM_LAUNCH_SETTINGS" in os.environ else None)
+    if from_file and "when" in from_file:
+        from_file = _swept_here(wrapper, dtype, from_file, chosen)
     override = LAUNCH_OVERRIDES.get(wrapper)
     if not override and not from_file:
         return chosen
@@ -129,6 +132,23 @@ def _launch(wrapper: str, dtype: torch.dtype, **chosen) -> dict:
         raise ValueError(f"LAUNCH_OVERRIDES[{wrapper!r}]: no setting {sorted(unknown)}; it has {sorted(chosen)} "
                          f"and num_stages")
     return {**chosen, **(from_file or {}), **(override or {})}
+
+
+def _swept_here(wrapper: str, dtype: torch.dtype, entry: dict, chosen: dict) -> Optional[dict]:
+    """A settings file's entry without its ``"when"``, if the wrapper chose here what it chose where the entry was
+    swept; else None: a setting timed against other own settings (another conv width, another dtype size) was
+    never measured here and may not fit the shared memory."""
+    when = entry["when"]
+    if all(chosen.get(key) == value for key, value in when.items()):
+        return {key: value for key, value in entry.items() if key != "when"}
+    _warn_not_swept_here(wrapper, str(dtype), json.dumps(when, sort_keys=True), json.dumps(chosen, sort_keys=True))
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_not_swept_here(wrapper: str, dtype: str, when: str, chosen: str) -> None:
+    warnings.warn(f"NYSTROM_LAUNCH_SETTINGS: {wrapper} ({dtype}) was swept where it chose {when}; here it chooses "
+                  f"{chosen}: the file's setting is not used for these inputs", stacklevel=4)
 
 
 def _warps(settings: dict) -> dict:
