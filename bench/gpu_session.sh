@@ -15,7 +15,8 @@
 #   bash bench/gpu_session.sh tuned       # the sweep's best settings in force: GPU tests, attention, training
 #   bash bench/gpu_session.sh model       # issue #6 training tokens/s and memory at 512 and 4096
 #   bash bench/gpu_session.sh loop        # `nystromformer pretrain` itself vs the bare step, at 512 and 4096
-#   bash bench/gpu_session.sh compile     # the same with the encoders compiled (CUDA graphs), + the ceiling
+#   bash bench/gpu_session.sh compile     # the bare training step (model_speed) with the encoders compiled
+#                                         # (CUDA graphs), + the ceiling; not `pretrain` itself
 #   bash bench/gpu_session.sh profile     # issue #8 efficiency profile, every attention type, 128..32768
 #   bash bench/gpu_session.sh listops     # issue #8 ListOps at LRA scale, every attention type in parallel
 #   bash bench/gpu_session.sh check attention model profile     # several, in order
@@ -171,22 +172,33 @@ stage_attention() {
 
 stage_settings() {
   # rows a tile, tiles a program, warps, stages of the wrappers over the n-long tensors (bench/bytes_moved.py: the
-  # layer's bytes are ~1.9x the floor's, its time 7.1x): each wrapper in its own process, outputs checked
+  # layer's bytes are ~1.9x the old 12-tensor floor's, its time 7.1x it): each wrapper in its own process, outputs checked
+  # at the shipped configs' conv of 65 (each entry applies only where a wrapper chooses what it chose here); into
+  # BEST's settings when given (a file carried from an earlier call: its other entries are kept)
   local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"  # ~70 settings to compile: give it a call
-  limited "$python" bench/kernel_settings.py --lengths 4096 65536 --best "$d/best.json" | tee "$d/kernel-settings.md"
+  settings_from_best "$d"
+  limited "$python" bench/kernel_settings.py --conv 65 --lengths 4096 65536 --best "$d/best.json" \
+    | tee "$d/kernel-settings.md"
+}
+
+settings_from_best() {
+  if [ -n "${BEST:-}" ] && [ -s "$BEST" ] && [ ! "$BEST" -ef "$1/best.json" ]; then
+    cp "$BEST" "$1/best.json"; echo "=== settings: starting from $BEST"; fi
 }
 
 stage_settings_fp32() {
   # the same for fp32 inputs (the shipped folders' attention_fp32: true), into best.json's fp32 section; its own
   # call: fp32 settings compile slower, and some do not fit (their rows say so and never become best)
   local d=$RESULTS/settings limit=${SETTINGS_LIMIT:-540}; mkdir -p "$d"
-  limited "$python" bench/kernel_settings.py --dtype fp32 --lengths 4096 65536 --best "$d/best.json" \
+  settings_from_best "$d"
+  limited "$python" bench/kernel_settings.py --dtype fp32 --conv 65 --lengths 4096 65536 --best "$d/best.json" \
     | tee "$d/kernel-settings-fp32.md"
 }
 
 stage_tuned() {
   # the settings stage's best.json in force (NYSTROM_LAUNCH_SETTINGS): the GPU tests of the fast path first, then
-  # the attention table (eager and CUDA graph) and the bf16 training step at 512, to set beside the chosen ones'
+  # the attention table (eager and CUDA graph) and the bf16 training step at 512 (and the fp32 one when the file has
+  # an fp32 section), at the conv of 65 the settings were swept at, to set beside the chosen ones'
   # BEST: a settings file from an earlier call (the machine may be a fresh one: carry the file, see
   # docs/performance.md), else this machine's settings stage's
   local d=$RESULTS/tuned best=${BEST:-$RESULTS/settings/best.json}; mkdir -p "$d"
@@ -198,10 +210,15 @@ stage_tuned() {
     ${workers[@]+"${workers[@]}"} tests/test_nystrom_fast.py -m gpu 2>&1 | tee "$d/gpu-tests.txt" | tail -n 5
   local tests_rc=${PIPESTATUS[0]}  # pytest's own status: a failure, an error or a time-out stops the stage
   [ "$tests_rc" -eq 0 ] || { echo "=== tuned: the GPU tests with $best did not pass (status $tests_rc)"; return 1; }
-  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/attention_speed.py --graphs \
+  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/attention_speed.py --graphs --conv 65 \
     --impls sdpa fast-triton-all | tee "$d/attention.md"
-  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/model_speed.py --seq-len 512 --batch 32 \
+  limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/model_speed.py --seq-len 512 --batch 32 --conv 65 \
     --attention-fp32 false --models nystrom-all softmax | tee "$d/model-512.md"
+  # the fp32 section, where the file has one, at the shipped folders' attention (fp32, conv 65)
+  if "$python" -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get("fp32"))' "$best"; then
+    limited env NYSTROM_LAUNCH_SETTINGS="$best" "$python" bench/model_speed.py --seq-len 512 --batch 32 --conv 65 \
+      --attention-fp32 true --models nystrom-all softmax | tee "$d/model-512-fp32.md"
+  fi
 }
 
 stage_model() {

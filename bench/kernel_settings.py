@@ -6,7 +6,8 @@ and at variations of them (rows a tile, tiles a program, warps, pipeline stages)
 settings came from ptxas's spills, never from a sweep. This times each wrapper of `nystrom_triton` that reads or
 writes the n-long tensors — on the inputs the layer gives it (its own forward's landmark tensors) — under every
 setting in `variations()`, through `nystrom_triton.LAUNCH_OVERRIDES`, and checks that every setting computes what
-the chosen one does (relative difference of all outputs; settings only reorder sums).
+the chosen one does (relative difference of all outputs, by norm and elementwise, within the dtype's
+`TOLERANCE`; settings only reorder sums).
 
     python bench/kernel_settings.py                           # GPU: n = 4096 and 65,536, 65,536 tokens, bf16
     python bench/kernel_settings.py --wrappers conv_backward_raw lk_backward_raw --lengths 65536
@@ -19,9 +20,16 @@ run. On CUDA every wrapper's process first runs once untimed, 8 at a time (`--co
 bench/compile_first.py): the sweep is compile-bound, and the timed processes, one at a time, then load the
 kernels from Triton's cache. One table, a wrapper's rows printed as its process ends (a run cut off keeps them):
 wrapper, n, setting, what its first kernel was launched with (after the wrapper's clamps to n), programs
-launched, median ms (CUDA events), × the chosen setting's time, relative difference of the outputs. A setting
-faster than the chosen one by more than the noise is a candidate for the wrapper's default — after the GPU tests
-pass with it (`bash bench/gpu_session.sh check` with the default changed).
+launched, median ms (CUDA events), × the chosen setting's time, relative difference of the outputs (norm;
+largest element over the largest magnitude). A setting faster than the chosen one by more than the noise is a
+candidate for the wrapper's default — after the GPU tests pass with it (`bash bench/gpu_session.sh check` with
+the default changed).
+
+`--best FILE` keeps what the file held for other dtypes and for wrappers not swept (or whose sweep failed), and
+writes each entry with `"when"`: the wrapper's own settings at this sweep's shape, so that the layer applies it
+only where the wrapper chooses the same (`conv_weight_grad_mm` chooses other tiles for fp32 at a conv above 64).
+Sweep at the shape that will run (`--conv 65` for the shipped configs). A wrapper whose process failed makes the
+exit status 1.
 """
 from __future__ import annotations
 
@@ -58,6 +66,18 @@ def variations(chosen: dict, min_rows: int = 16) -> list[dict]:
     out += [{"num_warps": 4 if chosen["num_warps"] == 8 else 8}]
     out += [{"num_stages": s} for s in (2, 4)]
     return out
+
+
+# A setting computes what the chosen one does when its outputs' relative difference (norm of the difference over
+# the norm) and largest elementwise difference (over the output's largest magnitude) are within these, for the
+# inputs' dtype: sums in another order round differently, more in bf16 outputs; a setting that drops or misplaces
+# rows moves a whole row by its own size, which the elementwise bound catches where the norm of 65,536 rows would not
+TOLERANCE = {"bf16": (1e-2, 5e-2), "fp32": (1e-4, 1e-3), "fp64": (1e-10, 1e-9)}
+
+
+def agrees(row: dict, dtype: str) -> bool:
+    norm, elementwise = TOLERANCE[dtype]
+    return "diff" in row and row["diff"] <= norm and row.get("max_diff", 0.0) <= elementwise
 
 
 def setting_label(override: dict) -> str:
@@ -149,15 +169,18 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
     if chosen is None:
         raise SystemExit(f"{wrapper} asked nystrom_triton._launch for no settings (renamed?)")
     reference = [t.detach().double().clone() for t in flat(reference)]
+    own = {k: v for k, v in chosen.items() if k in nystrom_fast.LAUNCH_SETTINGS.get(wrapper, ())}
     rows = []
     for override in variations(chosen, nystrom_fast.MIN_ROWS.get(wrapper, 16)):
         nt.LAUNCH_OVERRIDES.clear()
         if override:
             nt.LAUNCH_OVERRIDES[wrapper] = override
-        row = {"setting": setting_label(override), "override": override}
+        row = {"setting": setting_label(override), "override": override, **({} if override else {"own": own})}
         try:
             out = [t.detach().double() for t in flat(fn())]  # compiles this setting; its result is checked
             row["diff"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(out, reference))
+            row["max_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+                                  for a, b in zip(out, reference))
             programs[0] = 0
             launched.clear()
             fn()
@@ -172,6 +195,56 @@ def sweep(wrapper: str, args, n: int) -> list[dict]:
     nt.LAUNCH_OVERRIDES.clear()
     Launched.run = launch_run
     return rows
+
+
+def child_sweep(args) -> dict:
+    """{n: rows} of one wrapper at every length; a length whose sweep raised gets one row naming the error, and
+    after a CUDA fault (the context is gone: every later launch would fail) the longer lengths are not tried."""
+    out = {}
+    for n in args.lengths:
+        try:
+            out[n] = sweep(args.child, args, n)
+        except Exception as exc:  # e.g. the chosen setting's reference call itself failed
+            first = (str(exc).strip().splitlines() or [""])[0][:100]
+            out[n] = [{"setting": "chosen", "error": f"{type(exc).__name__}: {first}"}]
+        if args.device == "cuda" and any("illegal" in r.get("error", "").lower() for r in out[n]):
+            break
+    return out
+
+
+def validate_args(ap, args) -> None:
+    """Sizes that would sweep nothing (a batch of 0), silently drop tokens or divide by zero: refused by flag."""
+    for flag, value, low in (("--tokens", args.tokens, 1), ("--heads", args.heads, 1), ("--head-dim", args.head_dim, 1),
+                             ("--landmarks", args.landmarks, 1), ("--repeat", args.repeat, 1),
+                             ("--conv", args.conv, 1)):
+        if value < low:
+            ap.error(f"{flag}: must be at least {low}, got {value}")
+    if args.conv % 2 == 0:
+        ap.error(f"--conv: must be odd (the conv keeps the length, as model.conv_kernel_size), got {args.conv}")
+    for n in args.lengths:
+        if n < 1 or args.tokens % n:
+            ap.error(f"--lengths {n}: every length must divide --tokens {args.tokens} (batch = tokens / n)")
+        if args.landmarks > n:
+            ap.error(f"--landmarks {args.landmarks}: more landmarks than tokens at --lengths {n}")
+    if not 0 < args.margin <= 1e9:
+        ap.error(f"--margin: must be positive, got {args.margin}")
+
+
+def read_best(ap, path: str) -> dict:
+    """An existing settings file's contents (its entries are kept unless this sweep replaces them)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        ap.error(f"--best {path}: cannot read it ({exc.strerror})")
+    try:
+        kept = json.loads(text)
+    except json.JSONDecodeError as exc:
+        ap.error(f"--best {path}: not JSON (line {exc.lineno}: {exc.msg}); remove it or name another file")
+    if not isinstance(kept, dict) or not all(isinstance(v, dict) for v in kept.values()):
+        ap.error(f"--best {path}: not a settings file (an object of dtypes, each an object of wrappers)")
+    return kept
 
 
 def flat(outputs):
@@ -240,8 +313,10 @@ def main(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:  # one wrapper at every length (each setting compiles once): its rows as JSON
         sys.path.insert(0, str(ROOT / "code"))
-        print(json.dumps({n: sweep(args.child, args, n) for n in args.lengths}))
+        print(json.dumps(child_sweep(args)))
         return
+    validate_args(ap, args)
+    previous = read_best(ap, args.best) if args.best else {}  # a bad file is refused before any sweep
     stop_on_sigterm()
     env = dict(os.environ, **({"TRITON_INTERPRET": "1"} if args.device == "cpu" else {}))
     env.pop("NYSTROM_TRITON", None)
@@ -257,80 +332,111 @@ def main(argv=None):
         untimed = argparse.Namespace(**{**vars(args), "repeat": 1})
         print(run_untimed([child_argv(untimed, wrapper) for wrapper in args.wrappers], env, workers), flush=True)
     # one table, a wrapper's rows printed as soon as its process ends: a run cut off at a time limit keeps them
-    print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. |")
-    print("|---|---|---|---|---|---|---|---|")
-    swept, stopped = {}, None
+    print("\n| wrapper | n | setting | launched with | programs | ms | × chosen | rel. diff. | max diff. |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    swept, failed, stopped = {}, [], None
     try:
         for wrapper in args.wrappers:
             stopped = f"{wrapper}'s sweep"
-            sweep_wrapper(wrapper, args, env, swept)
+            if not sweep_wrapper(wrapper, args, env, swept):
+                failed.append(wrapper)
             if args.best:  # after each wrapper: a sweep cut off at its time limit keeps the best found so far
-                write_best(Path(args.best), args.dtype, best_settings(swept, args.margin))
+                write_best(Path(args.best), args.dtype, best_settings(swept, args.margin, args.dtype), swept,
+                           previous)
         stopped = None
     except KeyboardInterrupt:
         pass  # stopped names the wrapper under way
     if args.best:
-        best = best_settings(swept, args.margin)
+        best = best_settings(swept, args.margin, args.dtype)
         print(f"\n# the fastest setting of each wrapper below {args.margin} × chosen (geometric mean over n = "
               f"{', '.join(map(str, args.lengths))}), written to {args.best} for NYSTROM_LAUNCH_SETTINGS "
-              f"({args.dtype} inputs only):")
-        for wrapper, (override, score) in best.items():
-            print(f"- {wrapper}: {setting_label(override)} ({score:.2f} × chosen)")
+              f"({args.dtype} inputs, where the wrapper chooses what it chose here; conv {args.conv}):")
+        for wrapper, (entry, score) in best.items():
+            print(f"- {wrapper}: {setting_label({k: v for k, v in entry.items() if k != 'when'})} ({score:.2f} × "
+                  f"chosen)")
         if not best:
-            print("- none: every wrapper keeps its chosen settings")
+            print("- none: every wrapper swept keeps its chosen settings")
+        kept = sorted(set(previous.get(args.dtype, {})) - set(swept))
+        if kept:
+            print(f"- kept from the file, not swept here: {', '.join(kept)}")
+    if failed:
+        print(f"\nThe sweep of {', '.join(failed)} failed (its row above says why): the settings file keeps "
+              f"what it held for {'it' if len(failed) == 1 else 'them'}.")
     if stopped:
         print(stopped_note(stopped) + " The settings file holds the best of the wrappers swept before it.")
         sys.exit(STOPPED_STATUS)
+    if failed:
+        sys.exit(1)
 
 
-def write_best(path: Path, dtype: str, best: dict) -> None:
-    """``best`` as the ``dtype`` section of the settings file at ``path`` (its other sections kept: sweep bf16,
-    then --dtype fp32, into one file), written whole under a temporary name and renamed."""
-    kept = json.loads(path.read_text()) if path.exists() else {}
-    kept[dtype] = {w: o for w, (o, _) in best.items()}
+def write_best(path: Path, dtype: str, best: dict, swept: dict, previous: dict) -> None:
+    """The settings file at ``path``: ``previous`` (its contents before this sweep) with the ``dtype`` entries of the
+    wrappers swept here replaced by ``best``'s (or removed, where no setting beat the chosen one); other dtypes and
+    the wrappers not swept here (or whose sweep failed) kept — a partial sweep never erases another's results.
+    Written whole under a temporary name, flushed to disk and renamed."""
+    kept = {d: dict(w) for d, w in previous.items()}
+    section = {w: entry for w, entry in kept.get(dtype, {}).items() if w not in swept}
+    section.update({w: entry for w, (entry, _) in best.items()})
+    kept[dtype] = section
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    with open(temporary, "w") as f:
+        f.write(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(temporary, path)
 
 
-def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> None:
-    """One wrapper's sweep in a process of its own; its rows printed as soon as it ends, and kept in ``swept``."""
+def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> bool:
+    """One wrapper's sweep in a process of its own; its rows printed as soon as it ends, and kept in ``swept``.
+    False when the process failed (its row names the error)."""
     proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        failure = (proc.stderr.strip().splitlines() or ["no output"])[-1][:120]
-        print(f"| {wrapper} | | (the process failed: {failure}) | | | | | |", flush=True)
-        return
+        print(f"| {wrapper} | | (the process failed: {process_error(proc)}) | | | | | | |", flush=True)
+        return False
     swept[wrapper] = json.loads(lines[-1])
     for n, rows in swept[wrapper].items():
         base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
         for r in rows:
             if "error" in r:
-                print(f"| {wrapper} | {n} | {r['setting']} | failed: {r['error']} | | | | |")
+                print(f"| {wrapper} | {n} | {r['setting']} | failed: {r['error']} | | | | | |")
                 continue
             ratio = f"{r['ms'] / base:.2f}" if base else "—"
             used = " ".join(f"{k}={v}" for k, v in r["launched"].items())
             print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
-                  f"{r['diff']:.1e} |")
+                  f"{r['diff']:.1e} | {r.get('max_diff', 0.0):.1e}{'' if agrees(r, args.dtype) else ' (differs)'} |")
     sys.stdout.flush()
+    return True
 
 
-def best_settings(swept: dict, margin: float, max_diff: float = 1e-2) -> dict:
-    """{wrapper: (override, geometric mean of × chosen)} for the fastest setting of each wrapper that ran at every
-    length where the wrapper launched, computed what the chosen one does there (relative difference ≤ ``max_diff``:
-    bf16 outputs of sums in another order) and timed below ``margin`` × chosen. Where a setting launched exactly
-    as the chosen one (clamped to n), its ratio is 1: its time differs only by noise."""
+def process_error(proc) -> str:
+    """The line of a failed process's stderr that names its error: the last one naming an exception (PyTorch's
+    CUDA errors end with a hint about TORCH_USE_CUDA_DSA below the error itself), else the last line."""
+    lines = [line.strip() for line in proc.stderr.strip().splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    return ((named or lines or [f"no output, exit status {proc.returncode}"])[-1])[:160]
+
+
+def best_settings(swept: dict, margin: float, dtype: str) -> dict:
+    """{wrapper: (entry, geometric mean of × chosen)} for the fastest setting of each wrapper that ran at every
+    length where the wrapper launched, computed what the chosen one does there (``agrees``: sums in another order,
+    within the dtype's tolerance) and timed below ``margin`` × chosen. Where a setting launched exactly as the chosen
+    one (clamped to n), its ratio is 1: its time differs only by noise. The entry is the override with ``"when"``:
+    the wrapper's own settings that were the same at every length swept, which the layer checks before applying it
+    (another conv width or dtype size chooses otherwise, and the setting was never timed there)."""
     best = {}
     for wrapper, by_n in swept.items():
-        scores, ran = {}, 0
+        scores, ran, owns = {}, 0, []
         for rows in by_n.values():
             chosen_row = next((r for r in rows if r["setting"] == "chosen"), {})
             base = chosen_row.get("ms")
+            if "own" in chosen_row:
+                owns.append(chosen_row["own"])
             ran += base is not None or any(r["setting"] != "chosen" for r in rows)  # not "not launched at this n"
             for r in rows:
                 if r["setting"] == "chosen":
                     continue
-                ok = base and "ms" in r and r["diff"] <= max_diff
+                ok = base and "ms" in r and agrees(r, dtype)
                 ratio = r["ms"] / base if ok else None
                 if ok and (r["launched"], r["programs"]) == (chosen_row["launched"], chosen_row["programs"]):
                     ratio = 1.0  # clamped to the chosen launch at this n (e.g. parts beyond the partials): noise
@@ -338,7 +444,8 @@ def best_settings(swept: dict, margin: float, max_diff: float = 1e-2) -> dict:
         ranked = sorted((statistics.geometric_mean(ratios), label) for label, (_, ratios) in scores.items()
                         if len(ratios) == ran and None not in ratios)
         if ranked and ranked[0][0] < margin:
-            best[wrapper] = (scores[ranked[0][1]][0], ranked[0][0])
+            when = {k: v for k, v in (owns[0] if owns else {}).items() if all(o.get(k) == v for o in owns)}
+            best[wrapper] = ({**scores[ranked[0][1]][0], **({"when": when} if when else {})}, ranked[0][0])
     return best
 
 
