@@ -16,6 +16,10 @@ Memory:
 
     .venv/bin/python bench/efficiency_profile.py --max-length 4096 --plot docs/img/efficiency_cpu.png
     python bench/efficiency_profile.py --device cuda --csv eff.csv --plot docs/img/efficiency_gpu.png  # GPU
+
+A cell that raises is a row entry (``OOM`` or ``error``) named under the table with its message, and the run goes
+on (exit status 1); out of memory, or a pass over ``--time-limit``, skips the type's longer lengths (``skipped``).
+Stopped by SIGTERM (gpu_session.sh's time limit) or Ctrl-C, it prints the cells measured so far (exit status 130).
 """
 from __future__ import annotations
 
@@ -34,9 +38,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nystromformer.attention.nystrom_fast import describe_switches  # noqa: E402
 from nystromformer.config import ATTENTION_TYPES, ModelConfig  # noqa: E402
 from nystromformer.lra.train import LRA_ATTENTION  # noqa: E402
 from nystromformer.model import MultiHeadAttention  # noqa: E402
+from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 # Settings of each variant in the profile: the LRA comparison's.
 SETTINGS = LRA_ATTENTION
@@ -80,8 +87,9 @@ def measure(attn_type: str, n: int, args, device: torch.device, cpu_mem_ok: bool
                       transformer_dim=args.num_head * args.head_dim, num_head=args.num_head, head_dim=args.head_dim,
                       attn_type=attn_type, dropout_prob=0.0, mixed_precision=False)
     params = dict(SETTINGS.get(attn_type, {}))
-    if "linformer_k" in params:
-        params["linformer_k"] = min(params["linformer_k"], n)
+    for key in ("linformer_k", "reformer_bucket_size"):  # sequence-sized settings fit short n, as the LRA runner's
+        if key in params:
+            params[key] = min(params[key], n)
     cfg = replace(cfg, **params)
     cfg.validate()
     torch.manual_seed(0)
@@ -147,26 +155,38 @@ def main(argv=None) -> int:
         f"CPU {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}, {os.cpu_count()} cores visible"
     print(f"# attention fwd+bwd per instance (batch 1, {args.num_head} heads x {args.head_dim}), {where}, "
           f"torch {torch.__version__}; cells: time ms / peak memory MB "
-          f"({'cuda max_memory_allocated' if device.type == 'cuda' else 'CPU peak RSS growth' if cpu_mem_ok else 'n/a'})")
-    results = {}
-    for t in types:
-        too_slow = False
-        for n in lengths:
-            if too_slow:
-                results[t, n] = None
-                continue
-            try:
-                ms, mb = measure(t, n, args, device, cpu_mem_ok)
-                results[t, n] = (ms, mb)
-                too_slow = ms / 1000 > args.time_limit
-            except (RuntimeError, MemoryError) as e:  # e.g. CUDA out of memory
-                results[t, n] = ("OOM" if "out of memory" in str(e).lower() else "error", None)
-                too_slow = True
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            print(f"  {t} n={n}: {results[t, n]}", file=sys.stderr, flush=True)
+          f"({'cuda max_memory_allocated' if device.type == 'cuda' else 'CPU peak RSS growth' if cpu_mem_ok else 'n/a'})"
+          + (f"; {describe_switches(device)}" if "nystrom" in types else ""))
+    stop_on_sigterm()
+    results, failures, stopped = {}, [], None
+    try:
+        for t in types:
+            skip = False
+            for n in lengths:
+                if skip:
+                    results[t, n] = None
+                    continue
+                stopped = f"{t} at n = {n}"
+                try:
+                    ms, mb = measure(t, n, args, device, cpu_mem_ok)
+                    results[t, n] = (ms, mb)
+                    skip = ms / 1000 > args.time_limit
+                except Exception as e:  # a failing cell is an entry, not the end of the table
+                    oom = isinstance(e, MemoryError) or "out of memory" in str(e).lower()
+                    results[t, n] = ("OOM" if oom else "error", None)
+                    failures.append(failure(f"{t} at n = {n}", e))
+                    skip = oom  # longer lengths need more memory; another error may be this length's alone
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(f"  {t} n={n}: {results[t, n]}", file=sys.stderr, flush=True)
+        stopped = None
+    except KeyboardInterrupt:
+        pass  # stopped names the cell under way; the cells measured are printed below
+    measured = [t for t in types if any((t, n) in results for n in lengths)]
 
-    def cell(r):
+    def cell(r, missing="—"):
+        if r is missing:
+            return missing
         if r is None:
             return "skipped"
         if isinstance(r[0], str):
@@ -175,22 +195,32 @@ def main(argv=None) -> int:
 
     print("\n| attention | memory form | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---|---|" + "---|" * len(lengths))
-    for t in types:
-        print(f"| {t} | {FORM.get(t, '?')} | " + " | ".join(cell(results[t, n]) for n in lengths) + " |")
+    for t in measured:
+        print(f"| {t} | {FORM.get(t, '?')} | " + " | ".join(cell(results.get((t, n), "—")) for n in lengths) + " |")
+    if failures:
+        print("\nFailed cells:")
+        for line in failures:
+            print(f"- {line}")
 
-    if args.csv:
+    if args.csv:  # status: ok, OOM, error, or skipped (a longer length after an OOM or a pass over --time-limit)
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["attn_type", "seq_len", "time_ms", "peak_mem_mb"])
+            w.writerow(["attn_type", "seq_len", "time_ms", "peak_mem_mb", "status"])
             for (t, n), r in results.items():
-                w.writerow([t, n, *(("", "") if r is None else r)])
+                if r is None:
+                    w.writerow([t, n, "", "", "skipped"])
+                elif isinstance(r[0], str):
+                    w.writerow([t, n, "", "", r[0]])
+                else:
+                    w.writerow([t, n, f"{r[0]:.4f}", "" if r[1] is None else f"{r[1]:.2f}", "ok"])
     if args.plot:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for t in types:
-            pts = [(n, results[t, n]) for n in lengths if results[t, n] and not isinstance(results[t, n][0], str)]
+        for t in measured:
+            pts = [(n, results[t, n]) for n in lengths
+                   if results.get((t, n)) and not isinstance(results[t, n][0], str)]
             axes[0].plot([n for n, _ in pts], [r[0] for _, r in pts], marker="o", label=t)
             mp = [(n, r[1]) for n, r in pts if r[1] is not None]
             axes[1].plot([n for n, _ in mp], [m for _, m in mp], marker="o", label=t)
@@ -205,7 +235,10 @@ def main(argv=None) -> int:
         fig.tight_layout()
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=110)
-    return 0
+    if stopped:
+        print(stopped_note(stopped))
+        return STOPPED_STATUS
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
