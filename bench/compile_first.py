@@ -42,7 +42,11 @@ def run_untimed(commands: list[list[str]], env: dict, workers: int, timeout: flo
     running = set()
 
     def run(command: list[str]) -> str:
-        with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:  # a piece that cannot start (no such program) fails like one that exits badly
+            return "failed"
+        with proc:
             running.add(proc)
             try:
                 return "ok" if proc.wait(timeout) == 0 else "failed"
@@ -65,7 +69,7 @@ def run_untimed(commands: list[list[str]], env: dict, workers: int, timeout: flo
     trouble = [f"{outcomes.count(o)} {o}" + (f" at {timeout:.0f} s" if o == "stopped" else "")
                for o in ("failed", "stopped") if o in outcomes]
     plural = "" if len(commands) == 1 else "es"
-    return (f"# compiled first: {len(commands)} process{plural} untimed, {workers} at a time, in "
+    return (f"# compiled first: {len(commands)} process{plural} untimed, {min(workers, len(commands))} at a time, in "
             f"{time.perf_counter() - start:.0f} s" + (f" ({', '.join(trouble)})" if trouble else ""))
 
 
@@ -102,6 +106,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be at least 1")
+    if not args.timeout > 0:
+        ap.error(f"--timeout must be positive (seconds before a piece is stopped), got {args.timeout:g}")
     missing = [str(p) for p in args.files if not p.is_file()]
     if missing:
         ap.error(f"no such file: {', '.join(missing)}")

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -38,7 +41,7 @@ from model_speed import batch, build, step_fn  # noqa: E402
 from nystromformer import jsonlog, shards  # noqa: E402
 from nystromformer.config import COMPILE_MODES, load_config  # noqa: E402
 from nystromformer.pretrain import LOG_NAME, pretrain  # noqa: E402
-from time_limit import STOPPED_STATUS, stop_on_sigterm, stopped_note  # noqa: E402
+from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 SPECIAL = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 50264}  # RoBERTa's ids
 MODELS = ("nystrom", "softmax")
@@ -69,13 +72,16 @@ def model_folder(root: Path, attn_type: str, args) -> Path:
     return folder
 
 
-def loop_tokens_per_s(folder: Path, device: str, warmup: int) -> float:
+def loop_tokens_per_s(folder: Path, device: str, warmup: int, steps: int) -> tuple[Optional[float], int]:
+    """The loop's tokens/s (median over the logged steps after ``warmup``; None unless all ``steps`` were logged)
+    and pretrain's status (non-zero: its SIGTERM/Ctrl-C handling stopped it — maybe only while it wrote the
+    epoch's checkpoint, after every step was logged: the figure is kept then)."""
     cfg = load_config(folder)
     status = pretrain(cfg, device=device, show_progress=False)
-    if status != 0:  # pretrain's own SIGTERM/Ctrl-C handling finished its step and stopped: so does the table
-        raise KeyboardInterrupt(f"pretrain stopped with status {status}")
-    steps = [e for e in jsonlog.read(cfg.checkpoint_dir / LOG_NAME) if e.get("type") == "train"]
-    return statistics.median(e["tokens_per_s"] for e in steps if e["step"] > warmup)
+    log = cfg.checkpoint_dir / LOG_NAME
+    logged = [e for e in jsonlog.read(log) if e.get("type") == "train"] if log.exists() else []
+    timed = [e["tokens_per_s"] for e in logged if e["step"] > warmup]
+    return (statistics.median(timed) if len(timed) == steps - warmup else None), status
 
 
 def bare_tokens_per_s(folder: Path, device: torch.device, warmup: int, steps: int, compile_mode: str) -> float:
@@ -98,8 +104,29 @@ def bare_tokens_per_s(folder: Path, device: torch.device, warmup: int, steps: in
     return cfg.pretraining_setting.batch_size * cfg.model.max_seq_len / statistics.median(times[warmup:])
 
 
+def scratch_dir(need: int = 8 << 30) -> Optional[str]:
+    """/dev/shm where it is a tmpfs with ``need`` bytes free, else None (the system's temporary folder): each run's
+    `pretrain` writes and fsyncs its end-of-epoch checkpoint (1.85 GiB at 12 layers, ~5.5 s to disk on the CPU
+    machine), device time the timed steps do not include but the stage spends."""
+    shm = Path("/dev/shm")
+    try:
+        return str(shm) if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need else None
+    except OSError:
+        return None
+
+
 def validate_args(ap, args):
     """Checks between arguments (also what `DRY_RUN=1 bash bench/gpu_session.sh` checks before device time)."""
+    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--batch", args.batch, 1),
+                             ("--seq-len", args.seq_len, 8), ("--layers", args.layers, 1),
+                             ("--micro-batch", args.micro_batch, 1), ("--rows-per-pass", args.rows_per_pass, 1)):
+        if value is not None and value < low:
+            ap.error(f"{flag}: must be at least {low}, got {value}")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--rows-per-pass", args.rows_per_pass)):
+        if value is not None and value > args.batch:  # pretrain would clamp it to the batch: the title would lie
+            ap.error(f"{flag} {value} is above --batch {args.batch} (a step's rows)")
+    if args.micro_batch and args.batch % args.micro_batch:
+        ap.error(f"--batch {args.batch} must be a multiple of --micro-batch {args.micro_batch}")
     if args.rows_per_pass and args.rows_per_pass % (args.micro_batch or args.batch):
         ap.error(f"--rows-per-pass {args.rows_per_pass} must be a multiple of --micro-batch "
                  f"({args.micro_batch or args.batch}: the default is --batch)")
@@ -127,8 +154,11 @@ def main(argv=None):
     validate_args(ap, args)
     stop_on_sigterm()
     device = torch.device(args.device)
-    rows, stopped = {}, None
-    with tempfile.TemporaryDirectory(prefix="pretrain-loop-") as tmp:
+    if args.compile != "none" and args.warmup < 5:  # as model_speed: compiling and graph recording take steps
+        print(f"# --warmup {args.warmup} raised to 5 under --compile {args.compile} (recording steps untimed)")
+        args.warmup = 5
+    rows, failures, stopped = {}, [], None
+    with tempfile.TemporaryDirectory(prefix="pretrain-loop-", dir=scratch_dir()) as tmp:
         root = Path(tmp)
         (root / "data").mkdir()
         vocab = json.loads((REPO / "nystrom-512" / "config.json").read_text())["model"]["vocab_size"]
@@ -137,16 +167,25 @@ def main(argv=None):
         try:
             for name in MODELS:
                 stopped = f"the {name} model's loop"
-                folder = model_folder(root, name, args)
-                loop = loop_tokens_per_s(folder, args.device, args.warmup)
-                stopped = f"the {name} model's bare step"
-                bare = bare_tokens_per_s(folder, device, args.warmup, args.steps - args.warmup, args.compile)
-                rows[name] = loop, bare
+                try:
+                    folder = model_folder(root, name, args)
+                    loop, status = loop_tokens_per_s(folder, args.device, args.warmup, args.steps)
+                    if loop is not None:
+                        rows[name] = (loop, None)  # kept if the bare step is stopped or fails
+                    if status != 0:  # pretrain's SIGTERM/Ctrl-C handling stopped it: so does the table
+                        raise KeyboardInterrupt(f"pretrain stopped with status {status}")
+                    stopped = f"the {name} model's bare step"
+                    rows[name] = (loop, bare_tokens_per_s(folder, device, args.warmup, args.steps - args.warmup,
+                                                          args.compile))
+                except Exception as error:  # one model failing (e.g. out of memory) keeps the other's row
+                    failures.append(failure(stopped, error))
+                    rows.setdefault(name, (None, None))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             stopped = None
         except KeyboardInterrupt:
             pass  # stopped names the run under way
+
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     passes = f", passes of {args.rows_per_pass}" if args.rows_per_pass else ""
     print(f"# pretraining loop vs bare step, n={args.seq_len}, batch={args.batch} (loop: micro-batches of "
@@ -156,13 +195,18 @@ def main(argv=None):
     print("| model | loop tokens/s | bare tokens/s | loop ÷ bare | loop × softmax | bare × softmax |")
     print("|---|---|---|---|---|---|")
     soft_loop, soft_bare = rows.get("softmax", (None, None))
-    ratio = lambda a, b: "n/a" if b is None else f"{a / b:.2f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
+    figure = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
     for name, (loop, bare) in rows.items():
-        print(f"| {name} | {loop:.0f} | {bare:.0f} | {loop / bare:.2f} | {ratio(loop, soft_loop)} | "
+        print(f"| {name} | {figure(loop)} | {figure(bare)} | {ratio(loop, bare)} | {ratio(loop, soft_loop)} | "
               f"{ratio(bare, soft_bare)} |")
+    for line in failures:
+        print(f"- failed: {line}")
     if stopped:
         print(stopped_note(stopped))
         sys.exit(STOPPED_STATUS)
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
