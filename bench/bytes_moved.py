@@ -1,9 +1,10 @@
 """Bytes each Triton kernel of the Nyström layer reads and writes, forward + backward: how far the layer's memory
 traffic is from issue #6's bandwidth floor, counted on the CPU.
 
-Issue #6's floor is reading q, k, v, o, dO and writing o, dq, dk, dv once: 9 "tensors" of b·h·n·d elements;
-`bench/attention_speed.py`'s "x floor" counts 12 (the backward reads q, k, v again), and by it the H100 timed the
-`NYSTROM_TRITON=all` layer at 7.1–8.6× the floor's time (docs/performance.md). Is the rest extra
+Issue #6's floor is reading q, k, v, o, dO and writing o, dq, dk, dv once: 9 "tensors" of b·h·n·d elements
+(`bench/attention_speed.py`'s "x floor" since 2026-11-29; its tables before counted 12, the backward reading q, k,
+v again, and by that floor the H100 timed the `NYSTROM_TRITON=all` layer at 7.1–8.6×, 9.5–11.5× by the issue's:
+docs/performance.md). Is the rest extra
 bytes (passes over the n-long tensors that fusion could remove) or kernels below the copy bandwidth (launch
 settings)? This runs one forward + backward of the one-node layer under Triton's interpreter and adds up, per
 kernel launch, the elements every load and store touches (masked-off lanes excluded):
@@ -45,8 +46,9 @@ from triton.runtime import interpreter  # noqa: E402
 MOVES_NOTHING = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                  "_unsafe_view", "detach"}  # allocations, metadata, views dispatch does not mark as such
 FLOOR_TENSORS = 9  # read q, k, v, o, dO; write o, dq, dk, dv (issue #6)
-# bench/attention_speed.py's "x floor" (the figures in docs/performance.md): q, k, v read again by the backward
-BENCH_FLOOR_TENSORS = 12
+# the floor of attention_speed.py's tables before 2026-11-29 (q, k, v read again by the backward), which the
+# H100 figures of docs/performance.md are in: a ratio to it sets these bytes beside those tables' "× floor"
+OLD_TABLES_FLOOR_TENSORS = 12
 
 
 class Traffic:
@@ -195,9 +197,11 @@ def main(argv=None):
         unique, requested = totals[0] + totals[2], totals[1] + totals[3]
         print(f"| **total** | | {sum(r[2] for r in rows)} | {totals[0]:.2f} / {totals[1]:.2f} | "
               f"{totals[2]:.2f} / {totals[3]:.2f} |")
+        old = OLD_TABLES_FLOOR_TENSORS
         print(f"\nread + written: {unique:.2f} tensors unique ({unique / FLOOR_TENSORS:.2f}× issue #6's floor of "
-              f"{FLOOR_TENSORS}, {unique / BENCH_FLOOR_TENSORS:.2f}× attention_speed.py's of {BENCH_FLOOR_TENSORS}), "
-              f"{requested:.2f} requested ({requested / FLOOR_TENSORS:.2f}×, {requested / BENCH_FLOOR_TENSORS:.2f}×)")
+              f"{FLOOR_TENSORS}, as attention_speed.py's; {unique / old:.2f}× the floor of {old} of its tables "
+              f"before 2026-11-29), {requested:.2f} requested ({requested / FLOOR_TENSORS:.2f}×, "
+              f"{requested / old:.2f}×)")
 
 
 if __name__ == "__main__":

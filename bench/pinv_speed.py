@@ -14,6 +14,10 @@ two programs per SM).
     python bench/pinv_speed.py                    # CUDA
     python bench/pinv_speed.py --matrices 1536 --m 64 --precisions tf32 --warps 8,8
     python bench/pinv_speed.py --middle-only        # just the second table
+
+"fwd ms" times the forward as training runs it (inputs that require grad, the graph built and dropped): the
+"iterates kept" rows keep them only then. A row that fails is `failed` in the table and named under it (exit
+status 1); stopped by SIGTERM (gpu_session.sh's time limit) the rows so far stand, with a note (exit 130).
 """
 from __future__ import annotations
 
@@ -28,6 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
 from nystromformer.attention import nystrom_fast, nystrom_triton  # noqa: E402
 from nystromformer.attention.nystrom import iterative_pinv, pinv_init  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
 
 
 REPEAT = 20
@@ -74,22 +81,51 @@ def main(argv=None):
                     help="forward,backward warps per program")
     ap.add_argument("--backward-forms", nargs="+", default=["direct", "transposed"],
                     choices=["direct", "transposed"], help="the iteration's backward (PINV_BACKWARD_TRANSPOSED)")
-    ap.add_argument("--middle-only", action="store_true", help="only the landmark-middle table")
+    ap.add_argument("--middle-only", action="store_true",
+                    help="only the landmark-middle table (whose rows are fixed: --precisions, --warps and "
+                         "--backward-forms are the first table's)")
     ap.add_argument("--repeat", type=int, default=REPEAT, help="timed calls per row (median)")
     args = ap.parse_args(argv)
+    validate_args(ap, args)
     globals()["REPEAT"] = args.repeat
     # Without CUDA: a smoke run (TRITON_INTERPRET=1, tiny --matrices / --m) that checks the script, not speed.
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not args.middle_only:
-        pinv_table(args, dev)
-    middle_table(args, dev)
+    stop_on_sigterm()
+    failures, where = [], ["the first row"]
+    try:
+        if not args.middle_only:
+            pinv_table(args, dev, failures, where)
+        middle_table(args, dev, failures, where)
+    except KeyboardInterrupt:
+        print(stopped_note(where[0]))
+        sys.exit(STOPPED_STATUS)
+    if failures:
+        print("\nFailed rows:")
+        for line in failures:
+            print(f"- {line}")
+        sys.exit(1)
+
+
+def validate_args(ap, args):
+    """Sizes checked by flag before any row (also by `DRY_RUN=1 bash bench/gpu_session.sh`): a repeat of 0 failed
+    every row on an empty median, and m above the kernels' limit silently timed the PyTorch fallback."""
+    if args.repeat < 1:
+        ap.error(f"--repeat: must be at least 1, got {args.repeat}")
+    if not 1 <= args.m <= nystrom_fast.MAX_LANDMARKS:
+        ap.error(f"--m: the kernels take 1 to {nystrom_fast.MAX_LANDMARKS} landmarks (above, the layer runs "
+                 f"PyTorch ops instead), got {args.m}")
+    if args.iters < 0:
+        ap.error(f"--iters: must be at least 0, got {args.iters}")
+    bad = [m for m in args.matrices if m < 1]
+    if bad:
+        ap.error(f"--matrices: each must be at least 1, got {bad[0]}")
 
 
 def rel(x, y):
     return ((x.double() - y).norm() / y.norm()).item()
 
 
-def middle_table(args, dev, d=64):
+def middle_table(args, dev, failures, where, d=64):
     torch.backends.cuda.matmul.allow_tf32 = False  # as the model runs (pinv_table may have left it on)
     print(f"\n# landmark middle pinv(softmax(Q̃K̃ᵀ/√d)) @ W, bf16 landmarks (m={args.m}, d={d}, {args.iters} steps, "
           "pinv at tf32), fwd / fwd+bwd ms, errors vs float64")
@@ -114,16 +150,20 @@ def middle_table(args, dev, d=64):
             else:
                 fn = lambda *t, core=core: nystrom_fast.landmark_middle(  # noqa: E731
                     *t, args.iters, "original", True, "tf32", core_kernel=core)
+            where[0] = f"the middle's {name} row at {bsz} matrices"
             try:
                 out = fn(*xs)
                 grads = torch.autograd.grad(out, xs, gout.bfloat16())
                 launches = count_launches(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
-                fwd = bench(lambda: fn(*(t.detach() for t in xs)))
+                # the forward as training runs it: inputs that require grad (a forward on detached ones keeps no
+                # iterates, so the "iterates kept" rows would time the other form); the graph is dropped
+                fwd = bench(lambda: fn(*xs))
                 both = bench(lambda: torch.autograd.grad(fn(*xs), xs, gout.bfloat16()))
                 errs = ", ".join(f"{rel(a, b):.1e}" for a, b in zip(grads, ref_grads))
                 print(f"| {bsz} | {name} | {launches} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {errs} |")
             except Exception as exc:  # a row that does not compile or run is reported; the others still run
                 print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | | |")
+                failures.append(failure(f"{name} at {bsz} matrices", exc))
             finally:
                 (nystrom_triton.CORE_KEEP_MAX, nystrom_triton.PINV_BACKWARD_TRANSPOSED,
                  nystrom_triton.CORE_WARPS) = settings
@@ -154,7 +194,7 @@ def count_launches(fn):
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def pinv_table(args, dev):
+def pinv_table(args, dev, failures, where):
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU, Triton interpreter (smoke run)"
     print(f"# pinv iteration ({args.iters} steps, m={args.m}), {device}, "
           f"torch {torch.__version__}")
@@ -186,6 +226,7 @@ def pinv_table(args, dev):
         before = nystrom_triton.PINV_BACKWARD_TRANSPOSED
         for name, fn, transposed in variants:
             nystrom_triton.PINV_BACKWARD_TRANSPOSED = transposed
+            where[0] = f"the {name} row at {bsz} matrices"
             try:
                 out = fn(a)
                 grad = torch.autograd.grad(out, a, gout.float())[0]
@@ -194,6 +235,7 @@ def pinv_table(args, dev):
                 print(f"| {bsz} | {name} | {fwd:.3f} | {both:.3f} | {rel(out, ref):.1e} | {rel(grad, ref_grad):.1e} |")
             except Exception as exc:  # a variant that does not compile (e.g. out of shared memory) is reported
                 print(f"| {bsz} | {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | | | |")
+                failures.append(failure(f"{name} at {bsz} matrices", exc))
             torch.backends.cuda.matmul.allow_tf32 = False
             nystrom_triton.PINV_BACKWARD_TRANSPOSED = before
 
