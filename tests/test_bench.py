@@ -206,6 +206,25 @@ module.measure = measure
     assert "Failed (its row is n/a): softmax: ValueError: planted" in proc.stdout.splitlines()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_pinv_speed_names_a_failing_row_under_its_table_and_exits_1():
+    planted = """
+from nystromformer.attention import nystrom_triton
+def pinv_iterate(*args, **kwargs):
+    raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+nystrom_triton.pinv_iterate = pinv_iterate
+"""
+    proc = run_injected("pinv_speed", planted, "--matrices", "2", "--m", "8", "--precisions", "tf32", "--warps",
+                        "4,4", "--backward-forms", "direct", "--repeat", "1", TRITON_INTERPRET="1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    rows = table_rows(proc.stdout.splitlines())
+    assert [r[1] for r in rows[:2]] == ["torch bmm", "torch bmm tf32"] and float(rows[0][2]) > 0
+    assert rows[2][1:3] == ["triton tf32 warps 4,4", "failed: RuntimeError: out of resource: shared memory, Required: "
+                                                     "262144, Hardware limit: 232448"]
+    assert ("- triton tf32 warps 4,4 at 2 matrices: RuntimeError: out of resource: shared memory, Required: 262144, "
+            "Hardware limit: 232448") in proc.stdout.splitlines()
+
+
 def test_pretrain_loop_stopped_during_pretrain_prints_the_rows_it_measured():
     # the signal reaches the real `nystromformer pretrain` of the softmax model (at its first step's log entry):
     # pretrain finishes its step and stops, and so does the table
@@ -227,6 +246,18 @@ jsonlog.JsonLog.write = write
     rows = table_rows(lines)
     assert [r[0] for r in rows] == ["nystrom"] and rows[0][4:] == ["n/a", "n/a"]
     assert lines[-1].startswith("Stopped (a time limit or Ctrl-C) during the softmax model's loop")
+
+
+def test_compiling_first_counts_a_piece_that_cannot_start_as_failed_and_refuses_a_timeout_of_0(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    import compile_first
+    line = compile_first.run_untimed([["/no/such/program"], [sys.executable, "-c", "pass"]], dict(os.environ), 2)
+    assert line.startswith("# compiled first: 2 processes untimed, 2 at a time, in ") and line.endswith("(1 failed)")
+    pieces = tmp_path / "pieces.txt"
+    pieces.write_text('["true"]\n')
+    with pytest.raises(SystemExit):
+        compile_first.main([str(pieces), "--timeout", "0"])
+    assert "--timeout must be positive (seconds before a piece is stopped), got 0" in capsys.readouterr().err
 
 
 def test_compiling_first_stopped_kills_its_pieces_and_exits_saying_so():
@@ -283,8 +314,23 @@ def test_pinv_speed_times_every_variant_of_the_iteration_and_the_landmark_middle
     # (the transposed backward and the core's 4-warp form included) and its numbers are the function's.
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
-    lines = run_script("bench/pinv_speed.py", "--matrices", "2", "--m", "8", "--precisions", "tf32", "--warps", "4,4",
-                       "--repeat", "1", TRITON_INTERPRET="1")
+    # each timed forward of the middle is the training one: its output requires grad (on detached inputs the
+    # "iterates kept" rows would time the form that keeps none); the first table's forwards are on detached input
+    record = """
+real_bench = module.bench
+def bench(fn):
+    out = fn()
+    print("timed forward with grad" if isinstance(out, torch.Tensor) and out.requires_grad else "timed", flush=True)
+    return real_bench(fn)
+module.bench = bench
+import torch
+"""
+    proc = run_injected("pinv_speed", record, "--matrices", "2", "--m", "8", "--precisions", "tf32", "--warps", "4,4",
+                        "--repeat", "1", TRITON_INTERPRET="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if not line.startswith("timed")]
+    timed = [line for line in proc.stdout.splitlines() if line.startswith("timed")]
+    assert len(timed) == 2 * (4 + 8) and timed[8:].count("timed forward with grad") == 8
     blank = lines.index("")
     pinv_rows, middle_rows = table_rows(lines[:blank]), table_rows(lines[blank + 1:])
     assert [r[1] for r in pinv_rows] == ["torch bmm", "torch bmm tf32", "triton tf32 warps 4,4",
@@ -340,18 +386,85 @@ def test_pinv_backward_cannot_use_the_exact_inverses_derivative_after_the_papers
             assert float(unconverged) < 1e-5 and max(float(dq), float(dk)) < 1e-8
 
 
+TINY_LOOP = ("--device", "cpu", "--seq-len", "32", "--batch", "2", "--layers", "1", "--steps", "2", "--warmup", "1")
+# statistics.median as pretrain_loop calls it, recording what it took the median of
+RECORD_MEDIANS = """
+import statistics
+real_median, medians = statistics.median, []
+def median(data):
+    data = list(data)
+    medians.append(len(data))
+    return real_median(data)
+module.statistics = type("stats", (), {"median": staticmethod(median)})
+real_main = module.main
+def main():
+    try:
+        real_main()
+    finally:
+        print("medians over", medians)
+module.main = main
+"""
+
+
 def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
-    lines = run_script("bench/pretrain_loop.py", "--device", "cpu", "--seq-len", "32", "--batch", "2", "--layers", "1",
-                       "--steps", "2", "--warmup", "1")
+    # each model: the loop's median over the 2 logged steps after the warm-up step, then the bare step's over its
+    # 2 timed steps (of 3 run)
+    proc = run_injected("pretrain_loop", RECORD_MEDIANS, *TINY_LOOP)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
     rows = table_rows(lines)
     assert [r[0] for r in rows] == ["nystrom", "softmax"]
     for name, loop, bare, ratio, loop_x, bare_x in rows:
-        assert float(loop) > 0 and float(bare) > 0 and float(ratio) > 0
-    assert rows[1][4:] == ["1.00", "1.00"]
+        assert float(loop) > 0 and float(bare) > 0 and abs(float(ratio) - float(loop) / float(bare)) < 0.01
+    assert rows[1][4:] == ["1.00", "1.00"]  # softmax against itself
+    nystrom_loop, nystrom_bare, softmax_loop, softmax_bare = (float(rows[i][j]) for i in (0, 1) for j in (1, 2))
+    assert abs(float(rows[0][4]) - nystrom_loop / softmax_loop) < 0.01
+    assert abs(float(rows[0][5]) - nystrom_bare / softmax_bare) < 0.01
+    assert lines[-1] == "medians over [2, 2, 2, 2]"
+    # micro-batches of 1 in passes of 2: what pretrain itself says it ran, not only the title
     grouped = run_script("bench/pretrain_loop.py", "--device", "cpu", "--seq-len", "32", "--batch", "4", "--layers",
                          "1", "--steps", "2", "--warmup", "1", "--micro-batch", "1", "--rows-per-pass", "2")
     title = next(line for line in grouped if line.startswith("# pretraining loop"))
     assert "micro-batches of 1, passes of 2" in title and len(table_rows(grouped)) == 2
+    assert sum("passes of 2 rows (micro-batches of 1 each) x 2 a step" in line for line in grouped) == 2
+
+
+def test_pretrain_loop_one_model_failing_keeps_the_others_row_and_exits_1():
+    planted = """
+real = module.loop_tokens_per_s
+def loop_tokens_per_s(folder, *args):
+    if folder.name == "nystrom":
+        raise RuntimeError("CUDA out of memory. Tried to allocate 9.00 GiB")
+    return real(folder, *args)
+module.loop_tokens_per_s = loop_tokens_per_s
+"""
+    proc = run_injected("pretrain_loop", planted, *TINY_LOOP)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rows = table_rows(proc.stdout.splitlines())
+    assert [r[:3] for r in rows][0] == ["nystrom", "n/a", "n/a"] and rows[1][0] == "softmax"
+    assert float(rows[1][1]) > 0 and float(rows[1][2]) > 0
+    assert ("- failed: the nystrom model's loop: RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"
+            in proc.stdout)
+
+
+def test_pretrain_loop_stopped_while_pretrain_writes_its_last_checkpoint_keeps_the_loops_figure():
+    # every step logged, then SIGTERM during the epoch's checkpoint: pretrain stops (status 143), the figure stands
+    planted = """
+import nystromformer.checkpoint as checkpoint
+real = checkpoint.save_epoch
+def save_epoch(directory, *args, **kwargs):
+    if "softmax" in str(directory):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(directory, *args, **kwargs)
+checkpoint.save_epoch = save_epoch
+"""
+    proc = run_injected("pretrain_loop", planted, *TINY_LOOP)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    rows = table_rows(lines)
+    assert [r[0] for r in rows] == ["nystrom", "softmax"]
+    assert float(rows[1][1]) > 0 and rows[1][2] == "n/a" and rows[0][4] not in ("n/a", "1.00")
+    assert lines[-1].startswith("Stopped (a time limit or Ctrl-C) during the softmax model's loop")
 
 
 def test_glue_batch_dependence_shows_fixed_padding_predictions_independent_of_the_batch(shared_dir, tmp_path):
@@ -419,7 +532,14 @@ def test_bytes_moved_counts_each_kernels_loads_and_stores_in_tensors_of_q():
         assert read_requested >= read_unique and written_requested >= written_unique
     total = next(r for r in table_rows(lines) if r[0] == "**total**")
     assert float(total[4].split(" / ")[0]) >= 4  # o, dq, dk, dv at least once
-    assert any(line.startswith("read + written:") and "× issue #6's floor of 9" in line for line in lines)
+    assert any(line.startswith("read + written:") and "× issue #6's floor of 9, as attention_speed.py's" in line
+               for line in lines)
+    # one floor for every script that judges against it (bytes_moved once kept attention_speed's old 12)
+    sys.path.insert(0, str(REPO / "bench"))
+    import attention_speed
+    import bytes_moved
+    import targets_report
+    assert bytes_moved.FLOOR_TENSORS == attention_speed.FLOOR_TENSORS == targets_report.ISSUE_FLOOR_TENSORS == 9
 
 
 def test_kernel_settings_best_is_the_fastest_setting_that_ran_and_agreed_at_every_length_below_the_margin():
@@ -442,7 +562,7 @@ def test_kernel_settings_best_is_the_fastest_setting_that_ran_and_agreed_at_ever
         "lq_forward_raw": {"4096": [row("chosen", 1.0, launched={"P": 8}), row("parts=32", 0.5, launched={"P": 8})],
                            "65536": [row("chosen", 1.0), row("parts=32", 0.9)]},
     }
-    best = best_settings(swept, margin=0.97)
+    best = best_settings(swept, margin=0.97, dtype="bf16")
     assert best.keys() == {"conv_raw", "lq_combine", "lq_forward_raw"}
     # tiles=4 is faster but off by 20% at 4096; rows=32: 0.8 and 0.9 × chosen, geometric mean 0.85
     assert best["conv_raw"][0] == {"rows": 32} and abs(best["conv_raw"][1] - (0.8 * 0.9) ** 0.5) < 1e-12
@@ -469,7 +589,9 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     written = nystrom_fast._read_launch_settings(str(best))
     assert written["bf16"] == {"conv_raw": {"rows": 32}} and set(written) == {"bf16", "fp32"}
     assert set(written["fp32"]) == set(kernel_settings.WRAPPERS) - {"lq_combine"}   # not launched at n = 128
-    assert "num_warps" not in written["fp32"]["lq_backward_raw"]            # refused (fp32, 8 warps), never best
+    assert written["fp32"]["lq_backward_raw"].get("num_warps", 4) == 4      # refused (fp32, 8 warps), never best
+    # each entry names the wrapper's own settings here, which the layer checks before applying it
+    assert written["fp32"]["conv_weight_grad_mm"]["when"] == dict(rows=64, tiles=8, num_warps=8)
     rows = table_rows(lines)
     assert {r[0] for r in rows} == set(kernel_settings.WRAPPERS) and {r[1] for r in rows} == {"128"}
     # pass 1's combine runs only with several key programs a (batch, head): fp32 at 600 has 3 (256 keys each)
@@ -483,8 +605,8 @@ def test_kernel_settings_runs_every_setting_of_every_wrapper_and_each_computes_w
     failed = [(r[0], r[1]) for r in rows if r[2].startswith("failed")]
     assert failed == [("lq_backward_raw", "num_warps=8")], failed
     programs = {}
-    for wrapper, setting, used, count, ms, ratio, diff in (r for r in rows if not r[2].startswith("failed")):
-        assert float(diff) < 1e-6, (wrapper, setting, diff)
+    for wrapper, setting, used, count, ms, ratio, diff, max_diff in (r for r in rows if not r[2].startswith("failed")):
+        assert float(diff) < 1e-6 and float(max_diff) < 1e-5, (wrapper, setting, diff, max_diff)
         programs.setdefault(wrapper, {})[setting] = int(count)
         launched = dict(item.split("=") for item in used.split())
         if setting == "chosen":
@@ -520,6 +642,115 @@ def test_kernel_settings_stopped_at_its_time_limit_keeps_the_best_of_the_wrapper
         "Stopped (a time limit or Ctrl-C) during segment_means_grad's sweep: the rows above are those measured "
         "before it. The settings file holds the best of the wrappers swept before it.")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--tokens", "64", "--lengths", "128"], "--lengths 128: every length must divide --tokens 64"),
+    (["--tokens", "300", "--lengths", "128"], "--lengths 128: every length must divide --tokens 300"),
+    (["--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    (["--conv", "0"], "--conv: must be at least 1, got 0"),
+    (["--conv", "64"], "--conv: must be odd"),
+    (["--landmarks", "200", "--lengths", "128"], "--landmarks 200: more landmarks than tokens at --lengths 128"),
+])
+def test_kernel_settings_refuses_sizes_that_would_sweep_nothing_or_drop_tokens(flags, says, capsys):
+    # a batch of tokens // n = 0 once launched nothing and still wrote "winners" from noise
+    sys.path.insert(0, str(REPO / "bench"))
+    import kernel_settings
+    with pytest.raises(SystemExit) as exit_:
+        kernel_settings.main(["--device", "cpu", *flags])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_kernel_settings_file_keeps_what_a_partial_or_failed_sweep_did_not_replace(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import write_best
+    path = tmp_path / "best.json"
+    previous = {"bf16": {"conv_raw": {"rows": 32}},
+                "fp32": {"conv_raw": {"rows": 32}, "segment_means_raw": {"num_warps": 8}, "lk_forward_raw": {"rows": 32}}}
+    swept = {"conv_raw": {}, "lk_forward_raw": {}}  # swept again at fp32: conv_raw beaten, lk_forward_raw not
+    write_best(path, "fp32", {"conv_raw": ({"tiles": 4, "when": {"rows": 64, "tiles": 8}}, 0.9)}, swept, previous)
+    assert json.loads(path.read_text()) == {
+        "bf16": {"conv_raw": {"rows": 32}},                                   # another dtype: kept
+        "fp32": {"conv_raw": {"tiles": 4, "when": {"rows": 64, "tiles": 8}},  # replaced by this sweep's best
+                 "segment_means_raw": {"num_warps": 8}}}                     # not swept: kept; lk_forward_raw: removed
+    assert previous["fp32"]["conv_raw"] == {"rows": 32} and not list(tmp_path.glob("*.tmp"))
+
+
+def test_kernel_settings_agreement_is_by_the_dtypes_tolerance_by_norm_and_elementwise():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import agrees
+    reordered_fp32 = {"diff": 3e-7, "max_diff": 2e-6}
+    rows_dropped = {"diff": 4.6e-3, "max_diff": 1.0}   # 16 rows of one head zeroed at 65,536 tokens: small by norm
+    assert agrees(reordered_fp32, "fp32") and agrees(reordered_fp32, "bf16")
+    assert not agrees(rows_dropped, "fp32") and not agrees(rows_dropped, "bf16")
+    assert not agrees({"diff": 5e-3, "max_diff": 1e-3}, "fp32") and agrees({"diff": 5e-3, "max_diff": 1e-2}, "bf16")
+    assert not agrees({"error": "ValueError: refused"}, "bf16")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
+def test_kernel_settings_a_failed_wrapper_is_named_by_its_error_exits_1_and_keeps_its_file_entry(tmp_path):
+    best = tmp_path / "best.json"
+    best.write_text('{"bf16": {"conv_raw": {"rows": 32}}}')
+    # conv_raw's process dies as a CUDA fault does: the error, then PyTorch's hint on the last line
+    fault = """
+real_argv = module.child_argv
+def child_argv(args, wrapper):
+    if wrapper != "conv_raw":
+        return real_argv(args, wrapper)
+    return [sys.executable, "-c", "raise RuntimeError('CUDA error: an illegal memory access was encountered\\\\n"
+            "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.')"]
+module.child_argv = child_argv
+"""
+    proc = run_injected("kernel_settings", fault, "--device", "cpu", "--tokens", "256", "--lengths", "128",
+                        "--heads", "1", "--head-dim", "16", "--landmarks", "2", "--conv", "5", "--repeat", "1",
+                        "--best", str(best), "--margin", "1e9", "--wrappers", "segment_means_raw", "conv_raw")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert ("| conv_raw | | (the process failed: RuntimeError: CUDA error: an illegal memory access was "
+            "encountered) |") in proc.stdout
+    written = json.loads(best.read_text())["bf16"]
+    assert written["conv_raw"] == {"rows": 32} and "segment_means_raw" in written
+    assert "The sweep of conv_raw failed" in proc.stdout
+
+
+EXIT_WITH_MAINS_STATUS = "real_main = module.main\nmodule.main = lambda: sys.exit(real_main())\n"
+TINY_PROFILE = ("--lengths", "16,64,128", "--attn-types", "softmax,linear,reformer", "--num-head", "2", "--head-dim",
+                "16", "--repeats", "1")
+
+
+def test_efficiency_profile_a_failing_cell_is_named_under_the_table_and_the_others_are_measured(tmp_path):
+    # linear fails at 64 (as a kernel refusing a launch would) and runs at 128; reformer runs out of memory at 64,
+    # which skips its longer length; a reformer bucket of 32 at n = 16 is clamped to 16 (the LRA runner's rule)
+    fault = EXIT_WITH_MAINS_STATUS + """
+real = module.measure
+def measure(attn_type, n, *args):
+    if (attn_type, n) == ("linear", 64):
+        raise ValueError("Triton: shared memory 300000 > 232448 at BLOCK_N=128")
+    if (attn_type, n) == ("reformer", 64):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real(attn_type, n, *args)
+module.measure = measure
+"""
+    proc = run_injected("efficiency_profile", fault, *TINY_PROFILE, "--csv", str(tmp_path / "eff.csv"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    rows = {r[0]: r[2:] for r in table_rows(proc.stdout.splitlines())}
+    assert rows["linear"][1] == "error" and rows["linear"][0] != "error" and rows["linear"][2] != "skipped"
+    assert rows["reformer"][0] != "error" and rows["reformer"][1:] == ["OOM", "skipped"]
+    assert all(" / " in cell for cell in rows["softmax"])
+    assert "- linear at n = 64: ValueError: Triton: shared memory 300000 > 232448 at BLOCK_N=128" in proc.stdout
+    assert "- reformer at n = 64: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" in proc.stdout
+    status = {(r["attn_type"], r["seq_len"]): r["status"] for r in csv.DictReader(open(tmp_path / "eff.csv"))}
+    assert status[("linear", "64")] == "error" and status[("reformer", "128")] == "skipped"
+    assert status[("reformer", "64")] == "OOM" and status[("softmax", "128")] == "ok"
+
+
+def test_efficiency_profile_stopped_at_its_time_limit_prints_the_cells_it_measured():
+    proc = run_injected("efficiency_profile", EXIT_WITH_MAINS_STATUS + SIGTERM_AT_THIRD_CALL.format(name="measure"),
+                        *TINY_PROFILE)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    rows = table_rows(proc.stdout.splitlines())
+    assert [r[0] for r in rows] == ["softmax"] and rows[0][2:4] != ["—", "—"] and rows[0][4] == "—"
+    assert proc.stdout.splitlines()[-1] == ("Stopped (a time limit or Ctrl-C) during softmax at n = 128: the rows "
+                                            "above are those measured before it.")
 
 
 def gpu_session_stages() -> list[str]:
@@ -567,6 +798,11 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     (["bench/model_speed.py", "--modelz", "softmax"], "unrecognized arguments: --modelz"),
     (["bench/model_speed.py", "--models", "softmax", "--kernels", "nystrom"], "nystrom is not among --models"),
     (["bench/pretrain_loop.py", "--micro-batch", "8", "--rows-per-pass", "12"], "must be a multiple of"),
+    (["bench/pretrain_loop.py", "--steps", "0"], "--steps: must be at least 1, got 0"),
+    (["bench/pretrain_loop.py", "--warmup", "-1"], "--warmup: must be at least 0, got -1"),
+    (["bench/pretrain_loop.py", "--micro-batch", "0"], "--micro-batch: must be at least 1, got 0"),
+    (["bench/pretrain_loop.py", "--batch", "2", "--rows-per-pass", "4"], "--rows-per-pass 4 is above --batch 2"),
+    (["bench/pretrain_loop.py", "--batch", "6", "--micro-batch", "4"], "--batch 6 must be a multiple of --micro-b"),
     (["bench/attention_speed.py", "--impls", "fast-triton-al"], "invalid choice: 'fast-triton-al'"),
     (["bench/no_such_script.py"], "bench/no_such_script.py: no such script"),
     (["-m", "pytest", "tests/test_bench.py::test_no_such_test"], "collecting exited with status 4"),
@@ -586,6 +822,9 @@ def test_gpu_session_dry_run_checks_every_command_of_every_stage_here_and_runs_n
     (["bench/attention_speed.py", "--kernels", "fast-triton-al"], "invalid choice: 'fast-triton-al'"),
     (["bench/pinv_speed.py", "--warps", "4:4"], "'4:4': expected FORWARD,BACKWARD warps"),
     (["bench/pinv_speed.py", "--precisions", "tf23"], "invalid choice: 'tf23'"),
+    (["bench/pinv_speed.py", "--repeat", "0"], "--repeat: must be at least 1, got 0"),
+    (["bench/pinv_speed.py", "--m", "128"], "--m: the kernels take 1 to 64 landmarks"),
+    (["bench/pinv_speed.py", "--matrices", "12", "0"], "--matrices: each must be at least 1, got 0"),
 ])
 def test_gpu_session_dry_run_fails_a_command_the_device_would_have_refused_and_names_why(command, reason):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
@@ -734,7 +973,7 @@ def test_attention_speed_compiles_each_triton_row_first_in_its_own_untimed_proce
                        "--repeat", "1", "--warmup", "0", "--heads", "2", "--head-dim", "16", "--landmarks", "8",
                        "--conv", "5", "--impls", "sdpa", "fast-triton", "--compile-workers", "2", TRITON_INTERPRET="1")
     first = [line for line in lines if line.startswith("# compiled first")]
-    assert len(first) == 1 and first[0].startswith("# compiled first: 1 process untimed, 2 at a time, in ")
+    assert len(first) == 1 and first[0].startswith("# compiled first: 1 process untimed, 1 at a time, in ")
     assert "failed" not in first[0]  # the one Triton implementation, at both lengths in its process
     assert [(r[0], r[2]) for r in table_rows(lines)] == [(n, impl) for n in ("64", "128")
                                                          for impl in ("sdpa", "fast-triton")]
@@ -808,7 +1047,7 @@ def test_model_speed_runs_each_model_with_triton_kernels_first_for_one_untimed_s
     lines = run_script("bench/model_speed.py", "--device", "cpu", "--seq-len", "128", "--batch", "2", "--layers",
                        "2", "--steps", "1", "--warmup", "1", "--models", "nystrom", "nystrom-reference", "softmax",
                        "--compile-workers", "2", NYSTROM_IMPL="fast")
-    assert lines[0].startswith("# compiled first: 1 process untimed, 2 at a time, in ")  # nystrom's alone
+    assert lines[0].startswith("# compiled first: 1 process untimed, 1 at a time, in ")  # nystrom's alone
     assert "failed" not in lines[0] and "stopped" not in lines[0]
     assert [r[0] for r in table_rows(lines[1:])] == ["nystrom", "nystrom-reference", "softmax"]
 
