@@ -32,7 +32,12 @@ The optimizer's step (fused AdamW: a few launches per model) is not counted. ``-
 further micro-batch adds to a step (gradient accumulation: the shipped configs run 8 rows a micro-batch, so a
 256-row step on one GPU is 32 micro-batches), in the loop pretraining had before the twentieth session (an autocast
 region per micro-batch, the backward inside it) and as it runs them now (one region and ``model.fixed_weights``,
-so the weights' casts are made once a step; the backward outside autocast).
+so the weights' casts are made once a step; the backward outside autocast). ``--accumulate`` needs ``--step``;
+``--host-time`` is of the attention core's table only (not with ``--step``).
+
+Each count runs in a child process. One that fails leaves its cell n/a and is named under the table; the other
+cells are still counted, and the exit status is 1. Stopped (SIGTERM from a time limit, or Ctrl-C), the script
+keeps the rows printed, says where it stopped and exits 130 (bench/time_limit.py).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+
+from time_limit import failure, finish, stop_on_sigterm
 
 ROOT = Path(__file__).resolve().parents[1]
 # Operators that launch nothing: allocations, metadata, and views that autograd's dispatch does not mark as such.
@@ -226,6 +233,40 @@ def count_step(args) -> None:
         print(dict(per_layer.most_common()), file=sys.stderr)
 
 
+ROWS = [("softmax (SDPA)", "softmax", "-"), ("nystrom, PyTorch ops", "nystrom", "0"),
+        ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all"),
+        # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
+        ("nystrom, NYSTROM_TRITON=1, NYSTROM_OVERLAP=1", "nystrom", "1+overlap"),
+        ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap"),
+        # the landmark-sized tensors recomputed in the backward instead of kept
+        ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all+recompute")]
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited badly: its exit status and the last line of its stderr."""
+
+
+def run_cpu_child(cmd: list, kernels: str, overlap: bool = False, recompute: bool = False):
+    """``cmd`` (a script's own --child run) with these kernel switches on the CPU: Triton interpreted, the fast
+    path's code (the CUDA path's), one thread. Its CompletedProcess; ChildFailed when it exits badly."""
+    env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=str(int(overlap)),
+               NYSTROM_RECOMPUTE=str(int(recompute)), NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
+        raise ChildFailed(f"exit status {proc.returncode}: {last[0].strip()}")
+    return proc
+
+
+def validate_args(ap, args) -> None:
+    """Flags that only mean something together (also what a dry run checks)."""
+    if args.accumulate and not args.step:
+        ap.error("--accumulate counts the micro-batches of a training step: give it with --step")
+    if args.host_time and args.step:
+        ap.error("--host-time times the attention core's forward + backward (the default table), not --step's "
+                 "training step: give one or the other")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=512)
@@ -234,7 +275,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="q, k, v as the model passes them: fp32 with attention_fp32 true (the paper's), bf16 without")
     ap.add_argument("--host-time", action="store_true",
-                    help="also time the host's work outside the kernels (median µs of one forward + backward)")
+                    help="also time the host's work outside the kernels (median µs of one forward + backward); "
+                         "not with --step")
     ap.add_argument("--repeats", type=int, default=200, help="forward + backward runs timed for --host-time")
     ap.add_argument("--step", action="store_true",
                     help="count per encoder layer of a whole MLM training step (bf16 autocast; --dtype fp32 = "
@@ -246,16 +288,25 @@ def main(argv=None):
     ap.add_argument("--loop", choices=["old", "new"], default="new", help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=2, metavar=("VARIANT", "MASK"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    validate_args(ap, args)
     if args.child:
         args.variant, args.mask = args.child
         return count_step(args) if args.step else count(args)
-    rows = [("softmax (SDPA)", "softmax", "-"), ("nystrom, PyTorch ops", "nystrom", "0"),
-            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1"), ("nystrom, NYSTROM_TRITON=all", "nystrom", "all"),
-            # Z apart from Z·W (on CUDA on a second stream; the counts are the same on one)
-            ("nystrom, NYSTROM_TRITON=1, NYSTROM_OVERLAP=1", "nystrom", "1+overlap"),
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all+overlap"),
-            # the landmark-sized tensors recomputed in the backward instead of kept
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all+recompute")]
+    stop_on_sigterm()
+    print_header(args)
+    failures, stopped = [], None
+    try:
+        for label, variant, mode in ROWS[:4] if args.step else ROWS:
+            stopped = f"the row {label}"
+            cells = (step_cells if args.step else core_cells)(args, label, variant, mode, failures)
+            print(f"| {label} | {' | '.join(cells)} |", flush=True)
+        stopped = None
+    except KeyboardInterrupt:
+        pass  # stopped names the row under way
+    finish(failures, stopped, "Failed (its cell is n/a)")
+
+
+def print_header(args) -> None:
     if args.step:
         print(f"# launches per encoder layer of one MLM training step (forward, loss, backward; bf16 autocast, "
               f"attention_fp32 {str(args.dtype == 'fp32').lower()}), n={args.n}, heads={args.heads}, head_dim=64, "
@@ -269,17 +320,6 @@ def main(argv=None):
                   "with fixed_weights, backward outside autocast")
             print("| variant | old loop: first / each further | new loop: first / each further |")
             print("|---|---|---|")
-        for label, variant, mode in rows[:4]:
-            if not args.accumulate:
-                aten, triton, _ = run_child(args, variant, mode, "none")
-                print(f"| {label} | {aten} + {triton} = {aten + triton} |")
-                continue
-            cells = []
-            for loop in ("old", "new"):
-                one, two = (sum(run_child(argparse.Namespace(**{**vars(args), "micro_batches": k, "loop": loop}),
-                                          variant, mode, "none")[:2]) for k in (1, 2))
-                cells.append(f"{one} / {two - one}")
-            print(f"| {label} | {' | '.join(cells)} |")
         return
     print(f"# launches per attention layer, forward + backward, {args.dtype}, n={args.n}, heads={args.heads}, "
           f"head_dim=64, "
@@ -287,26 +327,52 @@ def main(argv=None):
     host = (" | host µs around the launches, mask / mask=None | Triton's binding µs, mask / mask=None"
             if args.host_time else "")
     print(f"| variant | padding mask: aten + Triton = total | mask=None: aten + Triton = total{host} |")
-    print("|---|---|---|" + ("---|---|" if args.host_time else ""))
-    for label, variant, mode in rows:
-        cells, hosts, bindings = [], [], []
-        for mask in ("ones", "none"):
+    print("|---|---|---|" + ("---|---|" if args.host_time else ""), flush=True)
+
+
+def step_cells(args, label, variant, mode, failures) -> list:
+    """--step's cells of one variant; a count whose child fails is n/a, named in ``failures``."""
+    if not args.accumulate:
+        try:
+            aten, triton, _ = run_child(args, variant, mode, "none", label)
+            return [f"{aten} + {triton} = {aten + triton}"]
+        except ChildFailed as error:
+            failures.append(failure(label, error))
+            return ["n/a"]
+    cells = []
+    for loop in ("old", "new"):
+        try:
+            one, two = (sum(run_child(argparse.Namespace(**{**vars(args), "micro_batches": k, "loop": loop}),
+                                      variant, mode, "none", label)[:2]) for k in (1, 2))
+            cells.append(f"{one} / {two - one}")
+        except ChildFailed as error:
+            failures.append(failure(f"{label}, {loop} loop", error))
+            cells.append("n/a")
+    return cells
+
+
+def core_cells(args, label, variant, mode, failures) -> list:
+    """The attention core's cells of one variant (each mask, then --host-time's), as step_cells."""
+    cells, hosts, bindings = [], [], []
+    for mask, mask_name in (("ones", "padding mask"), ("none", "mask=None")):
+        try:
             aten, triton, host_us = run_child(args, variant, mode, mask, label)
-            cells.append(f"{aten} + {triton} = {aten + triton}")
-            # without Triton kernels the time is the operators' own CPU compute, not host overhead
-            hosts.append(host_us[0] if triton and host_us else "n/a")
-            bindings.append(host_us[1] if triton and len(host_us) > 1 else "n/a")
-        print(f"| {label} | {cells[0]} | {cells[1]} |"
-              + (f" {' / '.join(hosts)} | {' / '.join(bindings)} |" if args.host_time else ""))
+        except ChildFailed as error:
+            failures.append(failure(f"{label}, {mask_name}", error))
+            cells.append("n/a")
+            hosts.append("n/a")
+            bindings.append("n/a")
+            continue
+        cells.append(f"{aten} + {triton} = {aten + triton}")
+        # without Triton kernels the time is the operators' own CPU compute, not host overhead
+        hosts.append(host_us[0] if triton and host_us else "n/a")
+        bindings.append(host_us[1] if triton and len(host_us) > 1 else "n/a")
+    return cells + ([" / ".join(hosts), " / ".join(bindings)] if args.host_time else [])
 
 
 def run_child(args, variant, mode, mask, label=None):
     """(aten launches, Triton launches, [host µs]) of one variant, counted in a child process."""
     kernels, _, switch = mode.partition("+")
-    env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels if kernels != "-" else "0",
-               NYSTROM_OVERLAP="1" if switch == "overlap" else "0",
-               NYSTROM_RECOMPUTE="1" if switch == "recompute" else "0", NYSTROM_IMPL="fast",
-               OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--n", str(args.n), "--heads", str(args.heads), "--dtype", args.dtype,
            "--child", variant, mask]
     if args.verbose:
@@ -316,9 +382,8 @@ def run_child(args, variant, mode, mask, label=None):
                 getattr(args, "loop", "new")]
     if args.host_time:
         cmd += ["--host-time", "--repeats", str(args.repeats)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(proc.stderr[-3000:])
+    proc = run_cpu_child(cmd, kernels if kernels != "-" else "0", overlap=switch == "overlap",
+                         recompute=switch == "recompute")
     if args.verbose:
         print(f"# {label or variant}, mask {mask}: {proc.stderr.strip()}")
     aten, triton, *host_us = proc.stdout.strip().splitlines()[-1].split()

@@ -57,7 +57,7 @@ from nystromformer.config import COMPILE_MODES, ModelConfig  # noqa: E402
 from nystromformer.model import NystromformerForMaskedLM, masked_positions_of  # noqa: E402
 
 from compile_first import print_commands, run_untimed, workers_for  # noqa: E402
-from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
+from time_limit import failure, finish, stop_on_sigterm  # noqa: E402
 
 MODELS = ["nystrom", "nystrom-all", "nystrom-reference", "softmax", "hf-nystromformer", "hf-roberta", "attention-free",
           "nystrom-overlap", "nystrom-all-overlap", "nystrom-all-recompute"]
@@ -363,13 +363,7 @@ def main(argv=None):
         print(f"\n# kernels of one {name} training step (self device time)\n{table}")
     for name, table in profiles.items():
         print(f"\n# host time of one {name} training step by Python function (cProfile, tottime)\n{table}")
-    for note in failures:
-        print(f"\nFailed (its row is n/a): {note}")
-    if stopped:
-        print(stopped_note(stopped))
-        sys.exit(STOPPED_STATUS)
-    if failures:
-        sys.exit(1)
+    finish(failures, stopped)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ before Triton is imported).
     python bench/saved_memory.py                      # n 512, batch 2, 2 layers, BERT-base width
     python bench/saved_memory.py --verbose            # also every saved tensor over 100 KB
     python bench/saved_memory.py --mixed-precision    # under bf16 autocast, attention in fp32 (the shipped configs)
+
+The "× softmax" columns divide by the softmax row's figures (n/a where it failed or its figure is 0). A variant
+whose process fails is named under the table with its row n/a; the others are still measured, and the exit
+status is 1. Stopped (SIGTERM from a time limit, or Ctrl-C), the script keeps the rows printed, says where it
+stopped and exits 130 (bench/time_limit.py).
 """
 from __future__ import annotations
 
@@ -20,7 +25,6 @@ import collections
 import gc
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,13 +32,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "code"))
+from launch_count import ChildFailed, run_cpu_child  # noqa: E402
+from time_limit import failure, finish, stop_on_sigterm  # noqa: E402
 
 # (label, attention type, NYSTROM_TRITON, NYSTROM_OVERLAP, NYSTROM_RECOMPUTE)
-VARIANTS = [("softmax (SDPA)", "softmax", "0", "0", "0"), ("nystrom, PyTorch ops", "nystrom", "0", "0", "0"),
-            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1", "0", "0"),
-            ("nystrom, NYSTROM_TRITON=all", "nystrom", "all", "0", "0"),
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all", "1", "0"),
-            ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all", "0", "1")]
+VARIANTS = [("softmax (SDPA)", "softmax", "0", False, False), ("nystrom, PyTorch ops", "nystrom", "0", False, False),
+            ("nystrom, NYSTROM_TRITON=1 (default)", "nystrom", "1", False, False),
+            ("nystrom, NYSTROM_TRITON=all", "nystrom", "all", False, False),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_OVERLAP=1", "nystrom", "all", True, False),
+            ("nystrom, NYSTROM_TRITON=all, NYSTROM_RECOMPUTE=1", "nystrom", "all", False, True)]
 
 
 def saved_storages(root: torch.Tensor, exclude=(), min_bytes=0):
@@ -167,24 +173,44 @@ def main(argv=None):
     print("| variant | saved MiB | of which sequence-sized | × softmax (sequence-sized) | peak fwd+bwd MiB "
           "| × softmax (peak) | largest saved, by node (MiB) |")
     print("|---|---|---|---|---|---|---|")
-    base = base_peak = None
-    for label, attn, kernels, overlap, recompute in VARIANTS:
-        env = dict(os.environ, TRITON_INTERPRET="1", NYSTROM_TRITON=kernels, NYSTROM_OVERLAP=overlap,
-                   NYSTROM_RECOMPUTE=recompute, NYSTROM_IMPL="fast", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, __file__, "--n", str(args.n), "--batch", str(args.batch), "--layers", str(args.layers),
-               "--child", attn] + (["--verbose"] if args.verbose else []) + (
-                   ["--mixed-precision"] if args.mixed_precision else [])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(proc.stderr[-3000:])
-        if args.verbose:
-            print(f"# {label}\n{proc.stderr.strip()}")
-        total, growing, peak, top = proc.stdout.strip().splitlines()[-1].split(" ", 3)
-        total, growing, peak = int(total), int(growing), int(peak)
-        base, base_peak = base or growing, base_peak or peak
-        print(f"| {label} | {total / 2**20:.1f} | {growing / 2**20:.1f} | {growing / base:.3f} | {peak / 2**20:.1f} "
-              f"| {peak / base_peak:.3f} | {top} |")
+    stop_on_sigterm()
+    base = base_peak = None  # the softmax row's figures (the first variant's)
+    failures, stopped = [], None
+    try:
+        for label, attn, kernels, overlap, recompute in VARIANTS:
+            stopped = f"the variant {label}"
+            try:
+                total, growing, peak, top = run_variant(args, attn, kernels, overlap, recompute, label)
+            except ChildFailed as error:
+                failures.append(failure(label, error))
+                print(f"| {label} | n/a | n/a | n/a | n/a | n/a | n/a |", flush=True)
+                continue
+            if attn == "softmax":
+                base, base_peak = growing, peak
+            print(f"| {label} | {total / 2**20:.1f} | {growing / 2**20:.1f} | {ratio(growing, base)} "
+                  f"| {peak / 2**20:.1f} | {ratio(peak, base_peak)} | {top} |", flush=True)
+        stopped = None
+    except KeyboardInterrupt:
+        pass  # stopped names the variant under way
+    finish(failures, stopped)
 
+
+def ratio(value: int, base) -> str:
+    """value / the softmax row's, or n/a when there is none (its process failed) or it is 0."""
+    return f"{value / base:.3f}" if base else "n/a"
+
+
+def run_variant(args, attn, kernels, overlap, recompute, label) -> tuple:
+    """(saved bytes, of which sequence-sized, peak bytes, the largest saved by node) of one variant, measured in a
+    process of its own; ChildFailed when it fails."""
+    cmd = [sys.executable, __file__, "--n", str(args.n), "--batch", str(args.batch), "--layers", str(args.layers),
+           "--child", attn] + (["--verbose"] if args.verbose else []) + (
+               ["--mixed-precision"] if args.mixed_precision else [])
+    proc = run_cpu_child(cmd, kernels, overlap, recompute)
+    if args.verbose:
+        print(f"# {label}\n{proc.stderr.strip()}")
+    total, growing, peak, top = proc.stdout.strip().splitlines()[-1].split(" ", 3)
+    return int(total), int(growing), int(peak), top
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ makes SIGTERM raise KeyboardInterrupt, as Ctrl-C does; the scripts catch it arou
 rows measured so far with ``stopped_note``, and exit with STOPPED_STATUS. A row that raises is recorded by
 ``failure`` and named under the table (exit status 1), and the next row is measured."""
 import signal
+import sys
 
 STOPPED_STATUS = 130
 
@@ -24,3 +25,15 @@ def failure(where: str, error: BaseException) -> str:
     """One line for the notes under a table: where, the exception's type and its message's first line."""
     first = (str(error).strip().splitlines() or [""])[0][:300]
     return f"{where}: {type(error).__name__}: {first}"
+
+
+def finish(failures: list, stopped, label: str = "Failed (its row is n/a)") -> None:
+    """The end of a benchmark's output: each failure under the table, then the stop note and exit 130 when it was
+    stopped (``stopped`` names the row under way), else exit 1 when a row failed; returns when neither."""
+    for note in failures:
+        print(f"\n{label}: {note}")
+    if stopped:
+        print(stopped_note(stopped))
+        sys.exit(STOPPED_STATUS)
+    if failures:
+        sys.exit(1)
