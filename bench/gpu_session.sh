@@ -182,8 +182,10 @@ stage_settings() {
 }
 
 settings_from_best() {
-  if [ -n "${BEST:-}" ] && [ -s "$BEST" ] && [ ! "$BEST" -ef "$1/best.json" ]; then
+  # once a call: a second settings stage adds to the first one's file, never back to BEST's; tuned then times it
+  if [ -z "${settings_ran:-}" ] && [ -n "${BEST:-}" ] && [ -s "$BEST" ] && [ ! "$BEST" -ef "$1/best.json" ]; then
     cp "$BEST" "$1/best.json"; echo "=== settings: starting from $BEST"; fi
+  settings_ran=1
 }
 
 stage_settings_fp32() {
@@ -201,7 +203,9 @@ stage_tuned() {
   # an fp32 section), at the conv of 65 the settings were swept at, to set beside the chosen ones'
   # BEST: a settings file from an earlier call (the machine may be a fresh one: carry the file, see
   # docs/performance.md), else this machine's settings stage's
+  # (this call's settings file when a settings stage ran before it: it holds BEST's entries and the new ones)
   local d=$RESULTS/tuned best=${BEST:-$RESULTS/settings/best.json}; mkdir -p "$d"
+  [ -n "${settings_ran:-}" ] && best=$RESULTS/settings/best.json
   [ -s "$best" ] || { echo "=== tuned: no $best (run the settings stage first, or set BEST)"; return 1; }
   "$python" -c 'import json, sys; sys.exit(not any(json.load(open(sys.argv[1])).values()))' "$best" || {
     echo "=== tuned: $best chose no setting (every wrapper keeps its own): nothing to time"; return 1; }

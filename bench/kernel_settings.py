@@ -394,8 +394,8 @@ def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> bool:
     if proc.returncode != 0 or not lines:
         print(f"| {wrapper} | | (the process failed: {process_error(proc)}) | | | | | | |", flush=True)
         return False
-    swept[wrapper] = json.loads(lines[-1])
-    for n, rows in swept[wrapper].items():
+    result = json.loads(lines[-1])
+    for n, rows in result.items():
         base = next((r.get("ms") for r in rows if r["setting"] == "chosen"), None)
         for r in rows:
             if "error" in r:
@@ -406,7 +406,14 @@ def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> bool:
             print(f"| {wrapper} | {n} | {r['setting']} | {used} | {r['programs']} | {r['ms']:.3f} | {ratio} | "
                   f"{r['diff']:.1e} | {r.get('max_diff', 0.0):.1e}{'' if agrees(r, args.dtype) else ' (differs)'} |")
     sys.stdout.flush()
-    return True
+    # Swept (its file entry replaced) only when its own settings ran at every length where it launched: an error
+    # there (the chosen setting's reference call, a fault) is a failure, and a wrapper that launched at no length
+    # (the combine at short n) keeps its entry too
+    chosen = [next((r for r in rows if r["setting"] == "chosen"), {}) for rows in result.values()]
+    failed = [r for r in chosen if "error" in r and not r["error"].startswith("not launched")]
+    if not failed and any("ms" in r for r in chosen):
+        swept[wrapper] = result
+    return not failed
 
 
 def process_error(proc) -> str:
@@ -422,8 +429,8 @@ def best_settings(swept: dict, margin: float, dtype: str) -> dict:
     length where the wrapper launched, computed what the chosen one does there (``agrees``: sums in another order,
     within the dtype's tolerance) and timed below ``margin`` × chosen. Where a setting launched exactly as the chosen
     one (clamped to n), its ratio is 1: its time differs only by noise. The entry is the override with ``"when"``:
-    the wrapper's own settings that were the same at every length swept, which the layer checks before applying it
-    (another conv width or dtype size chooses otherwise, and the setting was never timed there)."""
+    the wrapper's own settings at the lengths swept, which the layer checks before applying it (another conv width
+    or dtype size chooses otherwise, and the setting was never timed there); none where they differed by length."""
     best = {}
     for wrapper, by_n in swept.items():
         scores, ran, owns = {}, 0, []
@@ -443,8 +450,10 @@ def best_settings(swept: dict, margin: float, dtype: str) -> dict:
                 scores.setdefault(r["setting"], (r["override"], []))[1].append(ratio)
         ranked = sorted((statistics.geometric_mean(ratios), label) for label, (_, ratios) in scores.items()
                         if len(ratios) == ran and None not in ratios)
-        if ranked and ranked[0][0] < margin:
-            when = {k: v for k, v in (owns[0] if owns else {}).items() if all(o.get(k) == v for o in owns)}
+        # one "when" for the entry: where the wrapper chose otherwise at some length, the setting was timed against
+        # different own settings and no single condition says where it applies — no entry
+        if ranked and ranked[0][0] < margin and all(o == owns[0] for o in owns):
+            when = owns[0] if owns else {}
             best[wrapper] = ({**scores[ranked[0][1]][0], **({"when": when} if when else {})}, ranked[0][0])
     return best
 
