@@ -141,14 +141,16 @@ def _swept_here(wrapper: str, dtype: torch.dtype, entry: dict, chosen: dict) -> 
     when = entry["when"]
     if all(chosen.get(key) == value for key, value in when.items()):
         return {key: value for key, value in entry.items() if key != "when"}
-    _warn_not_swept_here(wrapper, str(dtype), json.dumps(when, sort_keys=True), json.dumps(chosen, sort_keys=True))
+    key = (wrapper, dtype, id(entry), tuple(chosen.items()))  # the file is read once: its entries stay
+    if key not in _NOT_SWEPT_HERE:  # warned once; every later launch skips the message's formatting
+        _NOT_SWEPT_HERE.add(key)
+        warnings.warn(f"NYSTROM_LAUNCH_SETTINGS: {wrapper} ({dtype}) was swept where it chose "
+                      f"{json.dumps(when, sort_keys=True)}; here it chooses {json.dumps(chosen, sort_keys=True)}: "
+                      f"the file's setting is not used for these inputs", stacklevel=3)
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_not_swept_here(wrapper: str, dtype: str, when: str, chosen: str) -> None:
-    warnings.warn(f"NYSTROM_LAUNCH_SETTINGS: {wrapper} ({dtype}) was swept where it chose {when}; here it chooses "
-                  f"{chosen}: the file's setting is not used for these inputs", stacklevel=4)
+_NOT_SWEPT_HERE: set = set()
 
 
 def _warps(settings: dict) -> dict:
