@@ -18,7 +18,8 @@ Memory:
     python bench/efficiency_profile.py --device cuda --csv eff.csv --plot docs/img/efficiency_gpu.png  # GPU
 
 A cell that raises is a row entry (``OOM`` or ``error``) named under the table with its message, and the run goes
-on (exit status 1); out of memory, or a pass over ``--time-limit``, skips the type's longer lengths (``skipped``).
+on; out of memory, or a pass over ``--time-limit``, skips the type's longer lengths (``skipped``). Another error
+than out of memory makes the exit status 1 (out of memory is where a type stops fitting: a measurement).
 Stopped by SIGTERM (gpu_session.sh's time limit) or Ctrl-C, it prints the cells measured so far (exit status 130).
 """
 from __future__ import annotations
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
           f"({'cuda max_memory_allocated' if device.type == 'cuda' else 'CPU peak RSS growth' if cpu_mem_ok else 'n/a'})"
           + (f"; {describe_switches(device)}" if "nystrom" in types else ""))
     stop_on_sigterm()
-    results, failures, stopped = {}, [], None
+    results, failures, out_of_memory, stopped = {}, [], [], None
     try:
         for t in types:
             skip = False
@@ -174,7 +175,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # a failing cell is an entry, not the end of the table
                     oom = isinstance(e, MemoryError) or "out of memory" in str(e).lower()
                     results[t, n] = ("OOM" if oom else "error", None)
-                    failures.append(failure(f"{t} at n = {n}", e))
+                    # out of memory is a measurement (where a type stops fitting), noted; another error a failure
+                    (out_of_memory if oom else failures).append(failure(f"{t} at n = {n}", e))
                     skip = oom  # longer lengths need more memory; another error may be this length's alone
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -197,10 +199,12 @@ def main(argv=None) -> int:
     print("|---|---|" + "---|" * len(lengths))
     for t in measured:
         print(f"| {t} | {FORM.get(t, '?')} | " + " | ".join(cell(results.get((t, n), "—")) for n in lengths) + " |")
-    if failures:
-        print("\nFailed cells:")
-        for line in failures:
-            print(f"- {line}")
+    for title, lines in (("Out of memory (the type's longer lengths skipped)", out_of_memory),
+                         ("Failed cells (exit status 1)", failures)):
+        if lines:
+            print(f"\n{title}:")
+            for line in lines:
+                print(f"- {line}")
 
     if args.csv:  # status: ok, OOM, error, or skipped (a longer length after an OOM or a pass over --time-limit)
         with open(args.csv, "w", newline="") as f:

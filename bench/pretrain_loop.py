@@ -41,7 +41,7 @@ from model_speed import batch, build, step_fn  # noqa: E402
 from nystromformer import jsonlog, shards  # noqa: E402
 from nystromformer.config import COMPILE_MODES, load_config  # noqa: E402
 from nystromformer.pretrain import LOG_NAME, pretrain  # noqa: E402
-from time_limit import STOPPED_STATUS, failure, stop_on_sigterm, stopped_note  # noqa: E402
+from time_limit import failure, finish, stop_on_sigterm  # noqa: E402
 
 SPECIAL = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "mask": 50264}  # RoBERTa's ids
 MODELS = ("nystrom", "softmax")
@@ -105,9 +105,10 @@ def bare_tokens_per_s(folder: Path, device: torch.device, warmup: int, steps: in
 
 
 def scratch_dir(need: int = 8 << 30) -> Optional[str]:
-    """/dev/shm where it is a tmpfs with ``need`` bytes free, else None (the system's temporary folder): each run's
-    `pretrain` writes and fsyncs its end-of-epoch checkpoint (1.85 GiB at 12 layers, ~5.5 s to disk on the CPU
-    machine), device time the timed steps do not include but the stage spends."""
+    """/dev/shm (memory) where it is writable with ``need`` bytes free, else None (the system's temporary folder):
+    each run's `pretrain` writes and fsyncs its end-of-epoch checkpoint (1.85 GiB at 12 layers, ~5.5 s to disk on
+    the CPU machine), device time the timed steps do not include but the stage spends. One model's folder at a
+    time: each is removed once its row is measured."""
     shm = Path("/dev/shm")
     try:
         return str(shm) if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need else None
@@ -180,6 +181,8 @@ def main(argv=None):
                 except Exception as error:  # one model failing (e.g. out of memory) keeps the other's row
                     failures.append(failure(stopped, error))
                     rows.setdefault(name, (None, None))
+                finally:  # its checkpoints (GiBs, in memory on /dev/shm) gone before the next model's
+                    shutil.rmtree(root / name, ignore_errors=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             stopped = None
@@ -200,13 +203,7 @@ def main(argv=None):
     for name, (loop, bare) in rows.items():
         print(f"| {name} | {figure(loop)} | {figure(bare)} | {ratio(loop, bare)} | {ratio(loop, soft_loop)} | "
               f"{ratio(bare, soft_bare)} |")
-    for line in failures:
-        print(f"- failed: {line}")
-    if stopped:
-        print(stopped_note(stopped))
-        sys.exit(STOPPED_STATUS)
-    if failures:
-        sys.exit(1)
+    finish(failures, stopped)
 
 
 if __name__ == "__main__":
