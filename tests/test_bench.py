@@ -443,8 +443,8 @@ module.loop_tokens_per_s = loop_tokens_per_s
     rows = table_rows(proc.stdout.splitlines())
     assert [r[:3] for r in rows][0] == ["nystrom", "n/a", "n/a"] and rows[1][0] == "softmax"
     assert float(rows[1][1]) > 0 and float(rows[1][2]) > 0
-    assert ("- failed: the nystrom model's loop: RuntimeError: CUDA out of memory. Tried to allocate 9.00 GiB"
-            in proc.stdout)
+    assert ("Failed (its row is n/a): the nystrom model's loop: RuntimeError: CUDA out of memory. Tried to allocate "
+            "9.00 GiB") in proc.stdout
 
 
 def test_pretrain_loop_stopped_while_pretrain_writes_its_last_checkpoint_keeps_the_loops_figure():
@@ -687,6 +687,54 @@ def test_kernel_settings_agreement_is_by_the_dtypes_tolerance_by_norm_and_elemen
     assert not agrees({"error": "ValueError: refused"}, "bf16")
 
 
+@pytest.mark.parametrize("error, status", [("RuntimeError: out of resource: shared memory", 1),
+                                           ("not launched by lq_forward_raw at n = 128", 0)])
+def test_kernel_settings_a_wrapper_whose_own_settings_did_not_run_keeps_its_file_entry(tmp_path, error, status):
+    # the child ran, but the wrapper's own (chosen) setting errored — a failure — or never launched: nothing was
+    # swept, so what the file held for it stays
+    best = tmp_path / "best.json"
+    best.write_text('{"bf16": {"conv_raw": {"rows": 32}}}')
+    child = f"print({json.dumps({'128': [{'setting': 'chosen', 'error': error}]})!r})"
+    planted = f"module.child_argv = lambda args, wrapper: [sys.executable, '-c', {child!r}]\n"
+    proc = run_injected("kernel_settings", planted, "--device", "cpu", "--tokens", "256", "--lengths", "128",
+                        "--best", str(best), "--margin", "1e9", "--wrappers", "conv_raw", "--compile-workers", "0")
+    assert proc.returncode == status, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"| conv_raw | 128 | chosen | failed: {error} |" in proc.stdout
+    assert json.loads(best.read_text()) == {"bf16": {"conv_raw": {"rows": 32}}}
+
+
+def test_kernel_settings_writes_no_entry_where_the_wrappers_own_settings_differed_by_length():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import best_settings
+
+    def rows(own):
+        return [{"setting": "chosen", "override": {}, "own": own, "ms": 1.0, "diff": 0.0, "programs": 8,
+                 "launched": {"set": "chosen"}},
+                {"setting": "num_stages=2", "override": {"num_stages": 2}, "ms": 0.5, "diff": 0.0, "programs": 8,
+                 "launched": {"set": "stages"}}]
+    same = {"4096": rows({"rows": 64, "tiles": 8}), "65536": rows({"rows": 64, "tiles": 8})}
+    differ = {"4096": rows({"rows": 64, "tiles": 8}), "65536": rows({"rows": 32, "tiles": 16})}
+    assert best_settings({"conv_raw": same}, 0.97, "bf16") == {
+        "conv_raw": ({"num_stages": 2, "when": {"rows": 64, "tiles": 8}}, 0.5)}
+    assert best_settings({"conv_raw": differ}, 0.97, "bf16") == {}
+
+
+def test_gpu_session_settings_stages_start_from_best_once_a_call_and_tuned_times_their_file(tmp_path):
+    script = (REPO / "bench" / "gpu_session.sh").read_text()
+    function = script[script.index("settings_from_best() {"):]
+    function = function[:function.index("\n}\n") + 3]
+    (tmp_path / "carried.json").write_text('{"bf16": {"carried": 1}}\n')
+    bash = (f"{function}\nBEST={tmp_path}/carried.json; d={tmp_path}/settings; mkdir -p $d\n"
+            "settings_from_best $d; cat $d/best.json\n"
+            "echo '{\"bf16\": {\"carried\": 1}, \"fp32\": {\"new\": 1}}' > $d/best.json\n"
+            "settings_from_best $d; cat $d/best.json\n")  # the fp32 stage after the bf16 one, in the same call
+    out = subprocess.run(["bash", "-c", bash], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["=== settings: starting from " + str(tmp_path / "carried.json"), '{"bf16": {"carried": 1}}',
+                   '{"bf16": {"carried": 1}, "fp32": {"new": 1}}']
+    tuned = script[script.index("stage_tuned() {"):]
+    assert '[ -n "${settings_ran:-}" ] && best=$RESULTS/settings/best.json' in tuned[:tuned.index("\n}\n")]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (the interpreter)")
 def test_kernel_settings_a_failed_wrapper_is_named_by_its_error_exits_1_and_keeps_its_file_entry(tmp_path):
     best = tmp_path / "best.json"
@@ -737,10 +785,26 @@ module.measure = measure
     assert rows["reformer"][0] != "error" and rows["reformer"][1:] == ["OOM", "skipped"]
     assert all(" / " in cell for cell in rows["softmax"])
     assert "- linear at n = 64: ValueError: Triton: shared memory 300000 > 232448 at BLOCK_N=128" in proc.stdout
+    assert proc.stdout.index("Out of memory") < proc.stdout.index("- reformer at n = 64") < proc.stdout.index(
+        "Failed cells (exit status 1):") < proc.stdout.index("- linear at n = 64")
     assert "- reformer at n = 64: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" in proc.stdout
     status = {(r["attn_type"], r["seq_len"]): r["status"] for r in csv.DictReader(open(tmp_path / "eff.csv"))}
     assert status[("linear", "64")] == "error" and status[("reformer", "128")] == "skipped"
     assert status[("reformer", "64")] == "OOM" and status[("softmax", "128")] == "ok"
+
+
+def test_efficiency_profile_out_of_memory_alone_is_a_measurement_not_a_failure():
+    fault = EXIT_WITH_MAINS_STATUS + """
+real = module.measure
+def measure(attn_type, n, *args):
+    if n == 128:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return real(attn_type, n, *args)
+module.measure = measure
+"""
+    proc = run_injected("efficiency_profile", fault, *TINY_PROFILE)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r[4] for r in table_rows(proc.stdout.splitlines())] == ["OOM"] * 3 and "Failed" not in proc.stdout
 
 
 def test_efficiency_profile_stopped_at_its_time_limit_prints_the_cells_it_measured():

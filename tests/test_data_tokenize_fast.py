@@ -116,26 +116,42 @@ def test_a_word_cache_that_disagrees_with_the_tokenizer_on_the_probe_is_not_used
 def roberta_saving_truncation_and_padding(roberta, tmp_path):
     """RoBERTa from a folder whose tokenizer.json enables truncation to 8 ids and padding to the batch's longest,
     as a tokenizer saved after `tokenizer(..., truncation=True, padding=True)` can."""
+    return saving_truncation_and_padding(roberta, tmp_path)
+
+
+@pytest.fixture
+def trained_saving_truncation_and_padding(tmp_path):
+    """The same with a byte-level BPE `train-tokenizer` made here (no ../shared needed: the test runs in CI)."""
+    from nystromformer.data.tokenize import train_tokenizer
+    partitions = tmp_path / "partitions"
+    partitions.mkdir()
+    words = "one two three four five six seven eight nine ten eleven twelve short a document that spells and goes"
+    (partitions / "part-00000.txt").write_text("\n\n".join(f"{words} {i} {words[::-1]}" for i in range(50)) + "\n")
+    return saving_truncation_and_padding(load_tokenizer(train_tokenizer([partitions], tmp_path / "trained", 400)),
+                                         tmp_path)
+
+
+def saving_truncation_and_padding(tokenizer, tmp_path):
     import json
     import shutil
     folder = tmp_path / "tokenizer"
-    shutil.copytree(roberta.name_or_path, folder)
-    config = json.loads(roberta.backend_tokenizer.to_str())
+    shutil.copytree(tokenizer.name_or_path, folder)
+    config = json.loads(tokenizer.backend_tokenizer.to_str())
     config["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
     config["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
-                         "pad_id": roberta.pad_token_id, "pad_type_id": 0, "pad_token": roberta.pad_token}
+                         "pad_id": tokenizer.pad_token_id, "pad_type_id": 0, "pad_token": tokenizer.pad_token}
     (folder / "tokenizer.json").write_text(json.dumps(config))
-    tokenizer = load_tokenizer(folder)
-    assert tokenizer.backend_tokenizer.truncation and tokenizer.backend_tokenizer.padding  # as saved
-    return tokenizer
+    saved = load_tokenizer(folder)
+    assert saved.backend_tokenizer.truncation and saved.backend_tokenizer.padding  # as saved
+    return saved
 
 
+@pytest.mark.parametrize("source", ["trained", "roberta"])
 @pytest.mark.parametrize("word_cache", [True, False], ids=["word-cache", "library"])
-def test_truncation_and_padding_saved_in_a_tokenizer_json_neither_cut_nor_pad_documents(
-        roberta_saving_truncation_and_padding, word_cache):
+def test_truncation_and_padding_saved_in_a_tokenizer_json_neither_cut_nor_pad_documents(request, source, word_cache):
     # Whole documents are packed into one stream: a cut document loses text, a <pad> id inside the stream is
     # masked out of attention. tokenizer(text) disables both per call; the encoder must too.
-    tokenizer = roberta_saving_truncation_and_padding
+    tokenizer = request.getfixturevalue(f"{source}_saving_truncation_and_padding")
     docs = ["one two three four five six seven eight nine ten eleven twelve", "short",
             "a document that spells <mask> and </s> goes through the library even with the word cache on"]
     encoder = DocumentEncoder(tokenizer, allow_word_cache=word_cache)

@@ -377,11 +377,16 @@ def test_a_rows_prediction_does_not_depend_on_its_batch_mates_or_the_batch_size(
     long = listops.encode(("[SM " + " ".join("[MED 1 5 9 ]" for _ in range(18)) + " ]").split(), 96)
     assert len(short) == 32 and len(long) == 92  # several landmark segments, blocks and buckets either way
     pad_to = padded_length(attn_type, s)
-    logits = []
+    logits, groups = [], set()
     model.register_forward_hook(lambda module, inputs, output: logits.append(output[0]))
+    # Nyström's batch-wide pseudo-inverse scale is taken per row while scoring (init_rows 1), over the batch after
+    model.register_forward_pre_hook(lambda module, inputs: groups.update(
+        m.init_rows for m in module.modules() if hasattr(m, "init_rows")))
     accuracy(model, [(short, 0)], 1, "cpu", pad_to=pad_to)
     accuracy(model, [(short, 0), (long, 0)], 2, "cpu", pad_to=pad_to)
     assert model.training  # accuracy() leaves the mode it found
+    assert groups == ({1} if attn_type == "nystrom" else set())
+    assert all(m.init_rows is None for m in model.modules() if hasattr(m, "init_rows"))
     assert logits[0].abs().max() > 0.1
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
 
