@@ -387,8 +387,8 @@ def write_best(path: Path, dtype: str, best: dict, swept: dict, previous: dict) 
 
 
 def sweep_wrapper(wrapper: str, args, env: dict, swept: dict) -> bool:
-    """One wrapper's sweep in a process of its own; its rows printed as soon as it ends, and kept in ``swept``.
-    False when the process failed (its row names the error)."""
+    """One wrapper's sweep in a process of its own; its rows printed as soon as it ends, and kept in ``swept`` when
+    its own settings ran. False when the process failed or its own settings raised (its row names the error)."""
     proc = subprocess.run(child_argv(args, wrapper), env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

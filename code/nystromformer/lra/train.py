@@ -182,7 +182,9 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
     schedule = linear_warmup_decay(opt, s.steps, s.warmup)
     best_dev, best_state, best_step = -1.0, None, 0
     step, start, eval_seconds = 0, time.time(), 0.0
-    loss_sum, loss_steps = 0.0, 0  # the logged loss: the mean over the steps since the last evaluation
+    # the logged loss: the mean over the steps since the last evaluation, summed on the device (an .item() a step
+    # would wait for the GPU every step)
+    loss_sum, loss_steps = torch.zeros((), device=device), 0
     stopped_early = False
     model.train()
     while step < s.steps and not stopped_early:
@@ -193,7 +195,7 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
             opt.step()
             schedule.step()
             step += 1
-            loss_sum, loss_steps = loss_sum + loss.item(), loss_steps + 1
+            loss_sum, loss_steps = loss_sum + loss.detach(), loss_steps + 1
             # stopped early: the time limit struck before the planned last step (not on it)
             stopped_early = (s.time_limit_s is not None and step < s.steps
                              and time.time() - start > s.time_limit_s)
@@ -203,9 +205,9 @@ def train_one(attn_type: str, splits: Dict[str, list], s: RunSettings, overrides
                 eval_seconds += time.time() - eval_start
                 if log:
                     log(json.dumps({"attn_type": attn_type, "seed": s.seed, "step": step,
-                                    "loss": round(loss_sum / loss_steps, 4), "dev_accuracy": round(dev, 4),
+                                    "loss": round(loss_sum.item() / loss_steps, 4), "dev_accuracy": round(dev, 4),
                                     "elapsed_s": round(time.time() - start, 1)}))
-                loss_sum, loss_steps = 0.0, 0
+                loss_sum, loss_steps = torch.zeros((), device=device), 0
                 if dev > best_dev:
                     best_dev, best_step = dev, step
                     best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
