@@ -434,6 +434,24 @@ def test_a_build_failing_on_its_first_partition_leaves_nothing_so_a_corrected_co
     assert json.loads((out / "meta.json").read_text())["max_seq_len"] == 16
 
 
+def test_a_build_failing_after_some_files_finished_says_they_are_kept_and_the_same_command_resumes(
+        partitions, trained_tokenizer, tmp_path):
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "part-00000.txt").write_bytes(b"a caf\xe9 document\n")
+    shutil.copytree(partitions / "stories", tmp_path / "stories")
+    out = tmp_path / "out"
+    with pytest.raises(PartitionError) as err:
+        build(tmp_path, trained_tokenizer, out, datasets=("stories", "latin1"))
+    assert "latin1/part-00000.txt:1: not UTF-8" in str(err.value)
+    assert f"{out} keeps the partition files finished so far" in str(err.value)
+    finished = file_states(out)
+    (tmp_path / "latin1" / "part-00000.txt").write_text("a café document\n")
+    stats = build(tmp_path, trained_tokenizer, out, datasets=("stories", "latin1"))
+    assert set(stats["datasets"]) == {"stories", "latin1"}
+    # the stories shards, their manifest entry and meta.json were neither rewritten nor re-encoded
+    assert len(finished) > 2 and all(file_states(out)[path] == state for path, state in finished.items())
+
+
 def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, trained_tokenizer, tmp_path,
                                                                    monkeypatch):
     out = tmp_path / "out"

@@ -355,19 +355,27 @@ def build_shards(datasets: Sequence[DatasetSpec], output: Path, tokenizer: str, 
             on_partition_done(task)
 
     progress = tqdm(total=len(pending), desc=f"build-shards {seq_len}", unit=" partitions")
-    if pending and workers > 1:
-        context = multiprocessing.get_context("spawn")
-        with context.Pool(min(workers, len(pending)), _init_worker,
-                          (str(tokenizer), str(output), meta, options)) as pool:
-            for task, entry in pool.imap_unordered(_run_in_worker, pending):
-                record(task, entry)
+    try:
+        if pending and workers > 1:
+            context = multiprocessing.get_context("spawn")
+            with context.Pool(min(workers, len(pending)), _init_worker,
+                              (str(tokenizer), str(output), meta, options)) as pool:
+                for task, entry in pool.imap_unordered(_run_in_worker, pending):
+                    record(task, entry)
+                    progress.update()
+        elif pending:
+            encoder = DocumentEncoder(tok)
+            for task in pending:
+                record(task, encode_partition_to_shards(task, encoder, output, meta, **options))
                 progress.update()
-    elif pending:
-        encoder = DocumentEncoder(tok)
-        for task in pending:
-            record(task, encode_partition_to_shards(task, encoder, output, meta, **options))
-            progress.update()
-    progress.close()
+    except UserError as e:
+        if (output / "meta.json").is_file():  # files finished before the failure (or beside it) are kept
+            e.args = (f"{e.args[0] if e.args else e}; {output} keeps the partition files finished so far and the "
+                      "settings they were built with: after the fix the same command resumes, other settings need "
+                      "another --output or that folder deleted",) + e.args[1:]
+        raise
+    finally:
+        progress.close()
 
     _check_inputs_unchanged(datasets, tasks)
     _write_meta_once(output, meta)
