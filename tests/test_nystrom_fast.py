@@ -144,6 +144,14 @@ def test_rows_without_padding_share_one_cached_ones_vector_per_shape_but_never_a
     assert type(fake) is not torch.Tensor and type(nystrom_fast._all_ones(3, 67, q)) is torch.Tensor
 
 
+def test_the_all_ones_cache_stays_small_over_many_shapes(monkeypatch):
+    monkeypatch.setattr(nystrom_fast, "_ALL_ONES", {})
+    like = torch.empty(0, dtype=torch.float64)
+    for n in range(1, 60):   # e.g. evaluation batches of many lengths
+        assert torch.equal(nystrom_fast._all_ones(2, n, like), torch.ones(2, n, dtype=torch.float64))
+    assert len(nystrom_fast._ALL_ONES) <= 16
+
+
 def test_overlap_switch_rejects_unknown_values(monkeypatch):
     monkeypatch.delenv("NYSTROM_OVERLAP", raising=False)
     assert nystrom_fast.overlap_mode() is False   # off until a GPU session has timed it
@@ -1699,6 +1707,10 @@ def test_a_launch_settings_entry_applies_only_where_the_wrapper_chooses_what_it_
                                                                   "the wrapper's own settings (rows, tiles, num_w"),
     ('{"fp32": {"lq_backward_raw": {"num_warps": 8}}}', "fp32.lq_backward_raw.num_warps = 8: Triton 3.6 "
                                                         "miscompiles pass 1's fp32 backward above 4 warps"),
+    ('{"fp64": {"lq_backward_raw": {"num_warps": 8}}}', "fp64.lq_backward_raw.num_warps = 8: Triton 3.6 "
+                                                        "miscompiles pass 1's fp64 backward above 4 warps"),
+    ('{"bf16": {"conv_raw": {"rows": 32, "when": {"num_stages": 2}}}}', "bf16.conv_raw.when.num_stages = 2: expected "
+                                                                        "one of the wrapper's own settings"),
 ])
 def test_a_bad_launch_settings_file_is_an_error_naming_the_file_and_the_key(tmp_path, monkeypatch, text, says):
     path = tmp_path / "settings.json"
@@ -1714,6 +1726,46 @@ def test_a_launch_settings_file_may_set_the_combines_landmark_rows_below_a_tile_
     (tmp_path / "s.json").write_text('{"bf16": {"lq_combine": {"rows": 1, "parts": 32}}, "fp16": {}}')
     monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(tmp_path / "s.json"))
     assert nystrom_fast.launch_settings() == {"bf16": {"lq_combine": {"rows": 1, "parts": 32}}, "fp16": {}}
+
+
+def test_a_launch_settings_file_may_set_every_bound_each_check_allows(tmp_path, monkeypatch):
+    # the largest and smallest values allowed: a tile side of 1024 rows (512 beside the conv's window), 1024
+    # partials a load, 16 warps; 16 rows (1 for the combine's landmark rows), 1 warp
+    settings = {"bf16": {"lq_forward_raw": {"rows": 1024, "tiles": 1024, "num_warps": 16},
+                         "conv_raw": {"rows": 512, "num_warps": 1}, "lq_combine": {"rows": 1, "parts": 1024},
+                         "segment_means_grad": {"rows": 16}}}
+    (tmp_path / "s.json").write_text(json.dumps(settings))
+    monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(tmp_path / "s.json"))
+    assert nystrom_fast.launch_settings() == settings
+
+
+def test_a_launch_settings_entry_swept_at_another_choice_warns_once_not_at_every_launch(tmp_path, monkeypatch):
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    path = tmp_path / "settings.json"
+    path.write_text('{"fp32": {"conv_weight_grad_mm": {"rows": 128, "when": {"rows": 64, "tiles": 8, '
+                    '"num_warps": 8}}}}')
+    monkeypatch.setenv("NYSTROM_LAUNCH_SETTINGS", str(path))
+    monkeypatch.setattr(nystrom_triton, "LAUNCH_OVERRIDES", {})
+    at_conv_65 = dict(zip(("rows", "tiles"), nystrom_triton.wgrad_mm_tiles(4, 65)), num_warps=8)
+    with pytest.warns(UserWarning, match="was swept where it chose"):
+        nystrom_triton._launch("conv_weight_grad_mm", torch.float32, **at_conv_65)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # every later launch: no warning
+        assert nystrom_triton._launch("conv_weight_grad_mm", torch.float32, **at_conv_65) == at_conv_65
+
+
+def test_an_override_of_pass_1s_wide_backward_above_4_warps_is_refused_in_fp32_and_fp64(monkeypatch):
+    # LAUNCH_OVERRIDES (the sweep's way in) must not reach the miscompiled settings either
+    if not _triton_importable():
+        pytest.skip("triton is not installed (pip install -e '.[test]' installs it)")
+    from nystromformer.attention import nystrom_triton
+    monkeypatch.setattr(nystrom_triton, "LAUNCH_OVERRIDES", {"lq_backward_raw": {"num_warps": 8}})
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(ValueError, match="Triton 3.6 miscompiles it"):
+            nystrom_triton._lq_consts(torch.empty(1, 1, 64, 32, dtype=dtype), backward=True)
+    assert nystrom_triton._lq_consts(torch.empty(1, 1, 64, 32, dtype=torch.bfloat16), backward=True)["num_warps"] == 8
 
 
 def test_the_launch_settings_table_names_every_wrapper_and_the_settings_it_asks_for():
@@ -1790,3 +1842,130 @@ def test_interp_conv_backward_in_one_pass_is_the_conv2d_input_and_weight_gradien
     dtaps = nystrom_triton.conv_backward_raw(v.detach(), keep, g, taps, dv)
     assert rel(dv, expected) < FP64_TOL
     assert rel(dtaps.reshape(att.conv.weight.shape), dw_ref) < FP64_TOL
+
+
+# ------------------------------------------- Triton, interpreted: gaps found by the third mutation audit (2026-11-29)
+@needs_interpreter
+def test_interp_overlap_in_training_runs_the_split_form_not_the_one_node_layer(monkeypatch):
+    # NYSTROM_OVERLAP=1 computes the pseudo-inverse on a second stream: the one-node layer has no such split
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    monkeypatch.setenv("NYSTROM_OVERLAP", "1")
+    calls, landmark_pinv = [], nt.landmark_pinv
+    monkeypatch.setattr(nt, "landmark_pinv", lambda *a, **kw: calls.append(1) or landmark_pinv(*a, **kw))
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=3)
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    assert type(out.grad_fn).__name__ != "_TritonNystromBackward" and calls == [1]
+
+
+@needs_interpreter
+def test_interp_the_core_reads_no_statistic_past_the_batch_for_a_shorter_last_group():
+    # 5 rows × 3 heads in groups of 2 rows: the last group has 3 matrices, not 6; what lies past the batch's
+    # statistics (here 1e6) must not enter its max
+    from nystromformer.attention import nystrom_triton as nt
+    g = torch.Generator().manual_seed(3)
+    q_land, k_land, w = (torch.randn(5, 3, 8, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    stat, _ = nt._core_stats(q_land, k_land)
+    wide = torch.full((15 + 16,), 1e6, dtype=stat.dtype)
+    wide[:15] = stat.flatten()
+    zw, _ = nt._core_iterate(q_land, k_land, w, wide[:15].view(5, 3), 6, "ieee", has_w=True, keep=False,
+                             group=nt.init_group(5, 3, 2))
+    assert rel(zw, _landmark_middle(q_land, k_land, w, 6, 2)) < FP64_TOL
+
+
+@needs_interpreter
+def test_interp_the_one_node_layer_gives_the_taps_gradient_when_v_needs_none(monkeypatch):
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=8)
+    v = v.detach()   # e.g. a frozen value projection, the conv still trained
+    params = (q, k, att.conv.weight)
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    assert type(out.grad_fn).__name__ == "_TritonNystromBackward"
+    ref = att.reference_forward(q, k, v, mask)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        assert rel(a, b) < FP64_TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,ks", [(torch.float64, 65), (torch.float32, 65), (torch.float32, 33)])
+def test_interp_the_conv_weight_gradient_launches_the_tiles_its_dtype_and_width_fit(dtype, ks, monkeypatch):
+    # wgrad_mm_tiles: 16-row tiles for 32/64-bit inputs and a conv over 64 taps (64-row ones need 290 KB of shared
+    # memory in fp32: no launch on an H100); the compile report checks wgrad_mm_tiles' tiles, this that the
+    # wrapper launches them
+    from nystromformer.attention import nystrom_triton as nt
+    launched, launch = [], nt._launch
+    monkeypatch.setattr(nt, "_launch", lambda wrapper, dt, **kw: launched.append((wrapper, kw)) or
+                        launch(wrapper, dt, **kw))
+    v = torch.randn(1, H, 40, D, dtype=dtype)
+    nt.conv_weight_grad_mm(v, torch.ones(1, 40, dtype=dtype), torch.randn_like(v), (H, 1, ks, 1))
+    expected = (16, 32) if ks > 64 else (64, 8)
+    assert launched == [("conv_weight_grad_mm", dict(rows=expected[0], tiles=expected[1], num_warps=8))]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rows,ks", [(16, 33), (32, 65), (64, 5)])
+def test_interp_pass_2s_conv_at_any_rows_a_tile_is_the_conv_kernels(rows, ks, monkeypatch):
+    # pass 2 with the conv inside (lk_forward_raw's HAS_CONV) reads a window of rows + ks - 1 rows: at the default
+    # 64 rows a window sized too short rounds up to the same power of two for every conv up to 65 taps; a launch
+    # setting of fewer rows does not
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setitem(nt.LAUNCH_OVERRIDES, "lk_forward_raw", {"rows": rows})
+    g = torch.Generator().manual_seed(ks)
+    (q, _, v), mask = inputs(2, 67, pad=(3, 20), seed=ks)
+    q, v = q.detach(), v.detach()
+    keep = mask.double()
+    k_land, zw = (torch.randn(2, H, 8, D, generator=g, dtype=torch.float64) for _ in range(2))
+    taps = torch.randn(H, ks, generator=g, dtype=torch.float64)
+    out = nt.lk_forward_raw(q, keep, k_land, zw, v, taps)
+    ref = nt.conv_raw(v, keep, taps, nt.lk_forward_raw(q, keep, k_land, zw), in_mask=True)
+    assert rel(out, ref) < FP64_TOL
+
+
+@needs_interpreter
+def test_interp_double_backward_through_the_one_node_layer_is_refused_not_silently_zero(monkeypatch):
+    # as test_interp_double_backward_through_a_kernel_is_refused_not_silently_zero, for _TritonNystrom
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    att = layer(8, 5)
+    (q, k, v), mask = inputs(2, 67, pad=(3, 20), seed=2)
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, conv_weight=att.conv.weight, use_triton=True)
+    assert type(out.grad_fn).__name__ == "_TritonNystromBackward"
+    (grad,) = torch.autograd.grad((out * out).sum() + v.pow(3).sum(), v, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.square().sum().backward()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n", [67, 600], ids=["one-program", "several-programs"])
+def test_interp_pass_2s_backward_of_16_bit_inputs_sums_in_fp32(n):
+    # dK̃ (and by default d(ZW)) in the accumulation dtype for bf16 inputs too: partials and their sum over
+    # programs in fp32, not in the inputs' bf16
+    from nystromformer.attention import nystrom_triton as nt
+    g = torch.Generator().manual_seed(n)
+    bf16 = torch.bfloat16
+    q = torch.randn(2, 3, n, 16, generator=g).to(bf16)
+    k_land, zw = torch.randn(2, 3, 8, 16, generator=g).to(bf16), torch.randn(2, 3, 8, 16, generator=g).to(bf16)
+    keep, grad = torch.ones(2, n, dtype=bf16), torch.randn(2, 3, n, 16, generator=g).to(bf16)
+    dq, dkl, dzw = nt.lk_backward_raw(q, keep, k_land, zw, grad)
+    assert dkl.dtype == dzw.dtype == torch.float32
+    _, dkl16, dzw16 = nt.lk_backward_raw(q, keep, k_land, zw, grad, dzw_dtype=bf16)
+    assert dkl16.dtype == torch.float32 and dzw16.dtype == bf16
+
+
+@needs_interpreter
+def test_interp_the_one_node_backward_keeps_the_landmarks_gradients_in_fp32_for_16_bit_inputs(monkeypatch):
+    # the core's dQ̃, dK̃ feed the segment-means backward and pass 1's (which add them in fp32): not rounded to
+    # bf16 first
+    from nystromformer.attention import nystrom_triton as nt
+    monkeypatch.setenv("NYSTROM_TRITON", "all")
+    dtypes, core_reverse = [], nt._core_reverse
+    monkeypatch.setattr(nt, "_core_reverse", lambda *a, **kw: (lambda r: dtypes.append((r[0].dtype, r[1].dtype))
+                                                               or r)(core_reverse(*a, **kw)))
+    (q, k, v), mask = inputs(2, 67, pad=(0, 13), seed=3)
+    q, k, v = (t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = nystrom_fast.forward(q, k, v, mask, num_landmarks=8, use_triton=True)
+    assert type(out.grad_fn).__name__ == "_TritonNystromBackward"
+    out.float().square().sum().backward()
+    assert dtypes == [(torch.float32, torch.float32)]
