@@ -171,6 +171,40 @@ def test_host_copies_of_buffers_follow_writes_from_outside(name):
     assert [t.tolist() for t in b.buffers()] == [t.tolist() for t in a.buffers()]
 
 
+@pytest.mark.parametrize("name", ["performer", "bigbird"])
+def test_host_copies_of_buffers_follow_a_load_then_a_move_to_another_device(name):
+    # GLUE loads the pretrained weights on the CPU, then moves the model to the GPU: the moved buffers are new
+    # tensors whose version counters start again at 0, as if never written. (_apply(clone) is what .to(device)
+    # does to each tensor.) BigBird was fine-tuned with its initial pattern, Performer counted from 0.
+    torch.manual_seed(0)
+    a = build_attention(cfg(name, performer_redraw_interval=3))
+    torch.manual_seed(1)
+    b = build_attention(cfg(name, performer_redraw_interval=3))
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padded_mask()
+    for _ in range(2):
+        a.prepare(N, "cpu")
+    b.load_state_dict(a.state_dict())
+    b._apply(lambda t: t.clone())
+    for _ in range(2):  # the 3rd pass since the redraw, then the interval is up
+        for attn in (a, b):
+            attn.prepare(N, "cpu")
+        torch.testing.assert_close(b(q, k, v, mask), a(q, k, v, mask), rtol=0, atol=0)
+
+
+def test_bigbird_called_directly_after_a_load_uses_the_loaded_pattern():
+    # Without the encoder's prepare(): an eager forward reads the seed itself (a state dict loaded since).
+    torch.manual_seed(0)
+    a = build_attention(cfg("bigbird"))
+    torch.manual_seed(1)
+    b = build_attention(cfg("bigbird"))
+    q, k, v = qkv(dtype=torch.float32)
+    mask = padded_mask()
+    b(q, k, v, mask)  # its own seed read and its layout cached
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b(q, k, v, mask), a(q, k, v, mask), rtol=0, atol=0)
+
+
 def test_performer_redraws_every_n_training_forwards():
     torch.manual_seed(0)
     attn = build_attention(cfg("performer", performer_redraw_interval=2))
@@ -460,3 +494,28 @@ def test_fp32_inputs_under_bf16_autocast_run_and_match_fp32(attn_type):
         out = attn(q, k, v, mask)
     real = mask.bool()
     torch.testing.assert_close(out.float().transpose(1, 2)[real], exact.transpose(1, 2)[real], atol=0.05, rtol=0.05)
+
+
+def test_reformer_evaluation_rotation_does_not_depend_on_the_lengths_evaluated_before():
+    # Seeded by the bucket count alone: a module that first evaluated another length hashes this one as a fresh one.
+    attn, q, k, v, mask = chunked_reformer()
+    attn.eval()
+    q8, k8, v8 = qkv(8)
+    attn(q8, k8, v8, padded_mask(8, real=(8, 5)))  # another length first (another bucket count)
+    fresh = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2)).eval()
+    torch.testing.assert_close(attn(q, k, v, mask), fresh(q, k, v, mask), rtol=0, atol=0)
+
+
+def test_reformer_bucket_count_is_the_chunk_count_rounded_up_to_even():
+    # 12 positions in chunks of 4: 3 chunks, 4 buckets (a rotation of 4 / 2 columns), as the docstring defines.
+    attn = build_attention(cfg("reformer", reformer_bucket_size=4, reformer_num_hashes=2))
+    assert attn.rotation_shape(12, H) == (H, D, 2, 2)
+    assert attn.rotation_shape(9, H) == (H, D, 2, 2) and attn.rotation_shape(4, H) == (H, D, 2, 1)
+    q, k, v = qkv(12)
+    mask = padded_mask(12, real=(12, 9))
+    torch.manual_seed(5)
+    out = attn(q, k, v, mask)
+    torch.manual_seed(5)
+    expected = naive_reformer(q, v, mask, 4, 2, torch.randn(H, D, 2, 2, dtype=q.dtype))
+    real = mask.bool()
+    torch.testing.assert_close(out.transpose(1, 2)[real], expected.transpose(1, 2)[real], rtol=1e-10, atol=1e-12)

@@ -17,6 +17,7 @@ or drawing what it lacks.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -29,6 +30,22 @@ ATTENTION_REGISTRY: Dict[str, Callable[..., nn.Module]] = {}
 # batches to one fixed length, as the authors' GLUE runs did, so that an example's prediction does not depend on the
 # longest example of its batch (tests/test_attention_variants.py checks this set against every variant).
 PADDING_AMOUNT_MATTERS = frozenset({"nystrom", "reformer", "bigbird"})
+
+
+class BufferWrites:
+    """Tells whether a buffer was written since it was last read to the host, so a host copy of its value is read
+    back only then (a state dict loaded, a DDP broadcast), not at every pass: by the tensor's version counter and by
+    which tensor it is — ``Module.to``/``_apply`` replace a buffer by a new tensor whose counter starts again at 0,
+    so a value loaded on the CPU and moved to the GPU would otherwise look unwritten."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.read(buffer)
+
+    def read(self, buffer: torch.Tensor) -> None:
+        self._tensor, self._version = weakref.ref(buffer), buffer._version
+
+    def written(self, buffer: torch.Tensor) -> bool:
+        return self._tensor() is not buffer or buffer._version != self._version
 
 
 def register(name: str):

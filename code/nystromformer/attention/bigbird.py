@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import key_padding_mask, register
+from . import BufferWrites, key_padding_mask, register
 
 
 @register("bigbird")
@@ -33,15 +33,16 @@ class BigBirdAttention(nn.Module):
         # reading the buffer back is a device sync, and inside a compiled forward a graph break
         self._seed = int(torch.randint(0, 2 ** 31 - 1, (), device="cpu"))
         self.register_buffer("pattern_seed", torch.tensor(self._seed))
-        self._seed_version = self.pattern_seed._version
+        self._seed_writes = BufferWrites(self.pattern_seed)
         self._cache: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._on_device: Dict[Tuple[int, int, str], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _host_seed(self) -> int:
         """The buffer's value, read back only when something wrote it (a state dict loaded, a DDP broadcast)."""
         buffer = self.pattern_seed
-        if buffer._version != self._seed_version and not buffer.is_meta:
-            self._seed, self._seed_version = int(buffer), buffer._version
+        if self._seed_writes.written(buffer) and not buffer.is_meta:
+            self._seed = int(buffer)
+            self._seed_writes.read(buffer)
         return self._seed
 
     def prepare(self, seq_len: int, device) -> None:

@@ -34,7 +34,7 @@ import zlib
 import torch
 import torch.nn as nn
 
-from . import key_padding_mask, register
+from . import BufferWrites, key_padding_mask, register
 from .linear import linear_attention
 
 FEATURE_EPS = 1e-6
@@ -77,7 +77,7 @@ class PerformerAttention(nn.Module):
         self.register_buffer("forwards_since_redraw", torch.zeros((), dtype=torch.long))
         # the buffer's value kept on the host, read back only when something else wrote the buffer (a state dict
         # loaded, a DDP broadcast): counting reads nothing from the device
-        self._since_redraw, self._count_version = 0, self.forwards_since_redraw._version
+        self._since_redraw, self._count_writes = 0, BufferWrites(self.forwards_since_redraw)
 
     @torch.no_grad()
     def redraw(self) -> None:
@@ -86,20 +86,20 @@ class PerformerAttention(nn.Module):
         self.projection.copy_(w.to(self.projection.device, self.projection.dtype))
         self._since_redraw = 0
         self.forwards_since_redraw.zero_()
-        self._count_version = self.forwards_since_redraw._version
+        self._count_writes.read(self.forwards_since_redraw)
 
     @torch.no_grad()
     def prepare(self, seq_len: int, device) -> None:
         """Before each forward pass: in training, count it, redrawing the features when their interval is up."""
         if self.training and self.redraw_interval > 0:
             count = self.forwards_since_redraw
-            if count._version != self._count_version:
+            if self._count_writes.written(count):
                 self._since_redraw = int(count)
             if self._since_redraw >= self.redraw_interval:
                 self.redraw()
             self._since_redraw += 1
             count.fill_(self._since_redraw)
-            self._count_version = count._version
+            self._count_writes.read(count)
 
     def forward(self, q, k, v, mask):
         mask = key_padding_mask(mask, q)  # no padding-free shortcut here
