@@ -147,27 +147,37 @@ def test_every_variant_builds_on_the_meta_device(name):
         Encoder(cfg(name))
 
 
-@pytest.mark.parametrize("name", ["performer", "bigbird"])
-def test_host_copies_of_buffers_follow_writes_from_outside(name):
-    # A DDP broadcast writes the buffers in place, not through load_state_dict: Performer's pass count and
-    # BigBird's pattern seed, kept on the host so that a pass reads nothing from the device, must follow it.
+def differently_seeded_pair(name):
+    """Two modules of one variant built from other seeds (another Performer projection, BigBird pattern)."""
     torch.manual_seed(0)
     a = build_attention(cfg(name, performer_redraw_interval=3))
     torch.manual_seed(1)
-    b = build_attention(cfg(name, performer_redraw_interval=3))
+    return a, build_attention(cfg(name, performer_redraw_interval=3))
+
+
+def assert_the_next_passes_agree(a, b):
     q, k, v = qkv(dtype=torch.float32)
     mask = padded_mask()
-    for attn in (a, b):
-        attn.prepare(N, "cpu")
-        attn(q, k, v, mask)  # host copies and caches made
-    a.prepare(N, "cpu")  # a has counted 2 passes, b 1
-    with torch.no_grad():
-        for target, source in zip(b.buffers(), a.buffers()):
-            target.copy_(source)  # as DDP's broadcast from rank 0 does
     for _ in range(2):  # the 3rd pass since the redraw, then the interval is up
         for attn in (a, b):
             attn.prepare(N, "cpu")
         torch.testing.assert_close(b(q, k, v, mask), a(q, k, v, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["performer", "bigbird"])
+def test_host_copies_of_buffers_follow_writes_from_outside(name):
+    # A DDP broadcast writes the buffers in place, not through load_state_dict: Performer's pass count and
+    # BigBird's pattern seed, kept on the host so that a pass reads nothing from the device, must follow it.
+    a, b = differently_seeded_pair(name)
+    q, k, v = qkv(dtype=torch.float32)
+    for attn in (a, b):
+        attn.prepare(N, "cpu")
+        attn(q, k, v, padded_mask())  # host copies and caches made
+    a.prepare(N, "cpu")  # a has counted 2 passes, b 1
+    with torch.no_grad():
+        for target, source in zip(b.buffers(), a.buffers()):
+            target.copy_(source)  # as DDP's broadcast from rank 0 does
+    assert_the_next_passes_agree(a, b)
     assert [t.tolist() for t in b.buffers()] == [t.tolist() for t in a.buffers()]
 
 
@@ -176,20 +186,12 @@ def test_host_copies_of_buffers_follow_a_load_then_a_move_to_another_device(name
     # GLUE loads the pretrained weights on the CPU, then moves the model to the GPU: the moved buffers are new
     # tensors whose version counters start again at 0, as if never written. (_apply(clone) is what .to(device)
     # does to each tensor.) BigBird was fine-tuned with its initial pattern, Performer counted from 0.
-    torch.manual_seed(0)
-    a = build_attention(cfg(name, performer_redraw_interval=3))
-    torch.manual_seed(1)
-    b = build_attention(cfg(name, performer_redraw_interval=3))
-    q, k, v = qkv(dtype=torch.float32)
-    mask = padded_mask()
+    a, b = differently_seeded_pair(name)
     for _ in range(2):
         a.prepare(N, "cpu")
     b.load_state_dict(a.state_dict())
     b._apply(lambda t: t.clone())
-    for _ in range(2):  # the 3rd pass since the redraw, then the interval is up
-        for attn in (a, b):
-            attn.prepare(N, "cpu")
-        torch.testing.assert_close(b(q, k, v, mask), a(q, k, v, mask), rtol=0, atol=0)
+    assert_the_next_passes_agree(a, b)
 
 
 def test_bigbird_called_directly_after_a_load_uses_the_loaded_pattern():
