@@ -297,8 +297,9 @@ def test_each_partition_file_draws_its_own_split_not_the_same_pattern_in_every_f
 
 
 @pytest.mark.parametrize("victim, other", [("books1/part-00000.txt", "books[12]/part-00000.txt"),
-                                           ("books/part-00000-b.txt", "books/part-00000.txt")],
-                         ids=["folder-name-with-brackets", "partition-name-prefix"])
+                                           ("books/part-00000-b.txt", "books/part-00000.txt"),
+                                           ("enwiki/part-00000.txt", "wiki/part-00000.txt")],
+                         ids=["folder-name-with-brackets", "partition-name-prefix", "dataset-name-suffix"])
 def test_encoding_a_partition_file_deletes_only_its_own_old_shards(partitions, trained_tokenizer, tmp_path, victim,
                                                                    other):
     # Read as glob patterns, "books[12]--part-00000-*.npy" matches books1's shards and "books--part-00000-*.npy"
@@ -434,12 +435,17 @@ def test_a_build_failing_on_its_first_partition_leaves_nothing_so_a_corrected_co
     assert json.loads((out / "meta.json").read_text())["max_seq_len"] == 16
 
 
-def test_a_build_failing_after_some_files_finished_says_they_are_kept_and_the_same_command_resumes(
-        partitions, trained_tokenizer, tmp_path):
+def stories_and_a_file_that_is_not_utf8(partitions, tmp_path):
+    """Partition folders stories/ (fine) and latin1/ (its one file fails) under tmp_path; the output folder."""
     (tmp_path / "latin1").mkdir()
     (tmp_path / "latin1" / "part-00000.txt").write_bytes(b"a caf\xe9 document\n")
     shutil.copytree(partitions / "stories", tmp_path / "stories")
-    out = tmp_path / "out"
+    return tmp_path / "out"
+
+
+def test_a_build_failing_after_some_files_finished_says_they_are_kept_and_the_same_command_resumes(
+        partitions, trained_tokenizer, tmp_path):
+    out = stories_and_a_file_that_is_not_utf8(partitions, tmp_path)
     with pytest.raises(PartitionError) as err:
         build(tmp_path, trained_tokenizer, out, datasets=("stories", "latin1"))
     assert "latin1/part-00000.txt:1: not UTF-8" in str(err.value)
@@ -450,6 +456,60 @@ def test_a_build_failing_after_some_files_finished_says_they_are_kept_and_the_sa
     assert set(stats["datasets"]) == {"stories", "latin1"}
     # the stories shards, their manifest entry and meta.json were neither rewritten nor re-encoded
     assert len(finished) > 2 and all(file_states(out)[path] == state for path, state in finished.items())
+
+
+def test_a_build_failing_after_its_first_shard_leaves_that_shard_with_its_meta_json(partitions, trained_tokenizer,
+                                                                                     tmp_path, monkeypatch):
+    # meta.json comes with the first file written, a shard included: a folder never holds shards without it
+    from nystromformer.data.tokenize import DocumentEncoder
+    encode_partition = DocumentEncoder.encode_partition
+
+    def shards_then_a_bad_id(self, path):
+        for _ in range(20):  # enough tokens for a bulk cut (64 blocks), so shards are written before the error
+            yield from encode_partition(self, path)
+        yield np.array([400])
+
+    monkeypatch.setattr(DocumentEncoder, "encode_partition", shards_then_a_bad_id)
+    out = tmp_path / "out"
+    with pytest.raises(BuildError, match="encodes to token id 400"):
+        build(partitions, trained_tokenizer, out, seq_len=16, datasets=("stories",), shard_size=1)
+    assert list(out.glob("*.npy")) and not (out / "manifest").exists()
+    assert json.loads((out / "meta.json").read_text())["max_seq_len"] == 16
+
+
+def test_a_manifest_entry_comes_with_meta_json_even_for_a_partition_too_short_for_a_shard(
+        partitions, trained_tokenizer, tmp_path):
+    # The first partition gives no sequence at seq_len 4096 but is finished (its manifest entry); the second fails.
+    # Without meta.json a corrected command with another seq_len would take the entry as finished at its settings.
+    out = stories_and_a_file_that_is_not_utf8(partitions, tmp_path)
+    with pytest.raises(PartitionError, match="not UTF-8"):
+        build(tmp_path, trained_tokenizer, out, seq_len=4096, datasets=("stories", "latin1"))
+    assert list((out / "manifest").glob("*.json")) and not list(out.glob("*.npy"))
+    assert json.loads((out / "meta.json").read_text())["max_seq_len"] == 4096
+    with pytest.raises(BuildError, match="built with other settings"):
+        build(tmp_path, trained_tokenizer, out, seq_len=16, datasets=("stories", "latin1"))
+
+
+def test_a_stale_temporary_meta_json_of_a_stopped_worker_is_removed(partitions, trained_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / ".meta.json.k3j2h1.tmp"
+    stale.write_text('{"format": ')
+    build(partitions, trained_tokenizer, out, datasets=("stories",))
+    assert not stale.exists() and (out / "meta.json").is_file()
+
+
+def test_the_split_indexes_follow_the_partition_files_when_a_rebuild_finds_fewer(partitions, trained_tokenizer,
+                                                                                 tmp_path):
+    shutil.copytree(partitions / "stories", tmp_path / "stories")
+    (tmp_path / "stories" / "stats.json").unlink(missing_ok=True)  # (it would list the removed file)
+    build(tmp_path, trained_tokenizer, tmp_path / "out", datasets=("stories",))
+    partition_files(tmp_path / "stories")[-1].unlink()
+    build(tmp_path, trained_tokenizer, tmp_path / "out", datasets=("stories",))
+    build(tmp_path, trained_tokenizer, tmp_path / "fresh", datasets=("stories",))
+    for split in ("train", "dev"):
+        assert (json.loads((tmp_path / "out" / f"{split}.json").read_text())
+                == json.loads((tmp_path / "fresh" / f"{split}.json").read_text()))
 
 
 def test_a_resume_accepts_any_spelling_of_the_same_tokenizer_folder(partitions, trained_tokenizer, tmp_path,
@@ -633,16 +693,17 @@ def test_a_damaged_shard_is_an_error_naming_it_not_a_traceback_or_training_on_it
         ShardedSequences(data, "train")
 
 
-def test_a_token_id_past_the_vocabulary_is_an_error_naming_the_shard(tmp_path):
+@pytest.mark.parametrize("bad_id", [300, 64], ids=["far-past", "equal-to-vocab-size"])
+def test_a_token_id_past_the_vocabulary_is_an_error_naming_the_shard(tmp_path, bad_id):
     from helpers import write_synthetic_data
     from nystromformer.shards import ShardError
     data = write_synthetic_data(tmp_path / "data", vocab_size=64)
     rows = np.load(data / "dev-00000.npy")
-    rows[3, 5] = 300
+    rows[3, 5] = bad_id  # (64: the first id past an embedding table of 64 rows)
     np.save(data / "dev-00000.npy", rows)
     dev = ShardedSequences(data, "dev")
-    assert dev.rows([0, 1]).shape == (2, 32)
-    with pytest.raises(ShardError, match=r"dev-00000.npy: token id 300 is not below vocab_size 64"):
+    assert dev.rows([0, 1]).shape == (2, 32) and dev.rows([0, 1, 2]).max() < 64
+    with pytest.raises(ShardError, match=rf"dev-00000.npy: token id {bad_id} is not below vocab_size 64"):
         dev.rows([2, 3])
 
 

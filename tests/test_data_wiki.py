@@ -145,3 +145,13 @@ def test_extracting_again_into_a_folder_of_an_earlier_extraction_is_refused_unle
     again = sorted(f.relative_to(out) for f in out.rglob("wiki_*"))
     assert again == [Path("AA") / "wiki_00"]                                      # the one 100M file, nothing else
     assert (out / "AA" / "wiki_00").read_text().count("<doc ") == articles         # each article once
+
+
+def test_overwrite_deletes_the_earlier_wiki_files_and_keeps_what_else_their_folders_hold(tmp_path):
+    out = tmp_path / "extracted"
+    (out / "AB").mkdir(parents=True)
+    (out / "AB" / "wiki_00").write_text('<doc id="1" url="u" title="t">\nt\nold\n</doc>\n')
+    (out / "AB" / "notes.txt").write_text("not wikiextractor's")
+    assert run_command(["extract-wiki", "--dump", DEMO_DUMP, "--output", out, "--processes", 1, "--overwrite"]) == 0
+    assert not (out / "AB" / "wiki_00").exists() and (out / "AB" / "notes.txt").read_text() == "not wikiextractor's"
+    assert sorted(f.relative_to(out) for f in out.rglob("wiki_*")) == [Path("AA") / "wiki_00"]

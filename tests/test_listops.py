@@ -479,3 +479,44 @@ def test_the_logged_loss_is_the_mean_since_the_last_evaluation(monkeypatch):
     lines = []
     train_one("softmax", tiny_splits(), RunSettings(**TINY, steps=4, eval_every=2), log=lines.append)
     assert [json.loads(line)["loss"] for line in lines] == [3.0, 2.0]
+
+
+def test_accuracy_leaves_a_model_in_evaluation_mode_in_evaluation_mode():
+    from nystromformer.lra.train import ListOpsClassifier, accuracy
+    s = RunSettings(**TINY, steps=2)
+    model = ListOpsClassifier(model_config("softmax", s), hidden=16).eval()
+    accuracy(model, tiny_splits()["dev"], 4, "cpu")
+    assert not model.training
+
+
+@pytest.mark.parametrize("attn_type, pad_to", [("nystrom", 24), ("softmax", None)])
+def test_dev_and_test_are_scored_padded_as_training_pads(monkeypatch, attn_type, pad_to):
+    # Nyström's landmarks move with the amount of padding: scored padded to the batch's longest row, a model
+    # trained on rows padded to --max-length would be evaluated on other inputs than it trained on
+    from nystromformer.lra import train as lra_train
+    real, seen = lra_train.accuracy, []
+
+    def accuracy(model, data, batch_size, device, max_batches=None, pad_to=None):
+        seen.append(pad_to)
+        return real(model, data, batch_size, device, max_batches, pad_to)
+
+    monkeypatch.setattr(lra_train, "accuracy", accuracy)
+    overrides = {"num_landmarks": 4, "conv_kernel_size": 3} if attn_type == "nystrom" else None
+    result = train_one(attn_type, tiny_splits(), RunSettings(**TINY, steps=4, eval_every=2), overrides)
+    assert seen == [pad_to] * 3  # two dev evaluations, then the test
+    assert result["padding"] == (f"to {pad_to} tokens" if pad_to else "to the longest row")
+
+
+def test_the_train_time_leaves_out_the_evaluations(monkeypatch):
+    from nystromformer.lra import train as lra_train
+    clock = [1000.0]
+    monkeypatch.setattr(lra_train.time, "time", lambda: clock[0])
+    real = lra_train.accuracy
+
+    def slow_accuracy(*args, **kwargs):  # each evaluation takes 100 s of the clock, each step none
+        clock[0] += 100.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lra_train, "accuracy", slow_accuracy)
+    result = train_one("softmax", tiny_splits(), RunSettings(**TINY, steps=4, eval_every=2))
+    assert result["train_seconds"] == 0.0 and result["eval_seconds"] == 300.0
