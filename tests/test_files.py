@@ -166,3 +166,26 @@ def test_rewriting_the_training_log_on_resume_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         jsonlog.JsonLog(log).truncate_after(2)
     assert log.read_text() == before
+
+
+def test_the_repair_of_a_torn_last_line_reaches_the_disk_before_the_next_entry_is_appended(tmp_path, monkeypatch):
+    # Else a crash right after could leave the next entry glued onto the fragment after all.
+    from nystromformer import jsonlog
+    log = tmp_path / "pretrain_output.log"
+    whole = json.dumps({"type": "train", "step": 1}) + "\n"
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append((os.path.basename(os.readlink(
+        f"/proc/self/fd/{fd}")), log.read_text())), fsync(fd))[1])
+    for torn, repaired in (('{"type": "dev", "epo', whole), ('{"type": "dev"}', whole + '{"type": "dev"}\n')):
+        log.write_text(whole + torn)
+        synced.clear()
+        jsonlog.JsonLog(log).write(type="train", step=2)
+        assert synced == [(log.name, repaired)]
+
+
+def test_a_lock_file_names_only_its_holder_however_long_the_previous_holder_s_name_was(tmp_path):
+    from nystromformer.errors import UserError
+    path = tmp_path / "run.lock"
+    path.write_text("a-much-longer-host-name.cluster.example pid 123456789\n")  # left by a run that ended
+    with atomic.exclusive_lock(path, UserError, content="node-1 pid 7\n"):
+        assert path.read_text() == "node-1 pid 7\n"

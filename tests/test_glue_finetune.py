@@ -392,6 +392,23 @@ def write_finished_run(checkpoint_dir: Path, settings: FinetuneSettings, score: 
         "best_metrics": {"accuracy": score}, "history": [{"epoch": 0, "score": score}], "submission_errors": []}))
 
 
+def test_the_glue_average_covers_all_nine_tasks_and_is_not_claimed_when_one_of_them_diverged(tmp_path):
+    from nystromformer.glue.tasks import TASKS
+    runs = grid(list(TASKS), lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    for i, settings in enumerate(runs):
+        write_finished_run(tmp_path, settings, 0.5 + i / 100)
+    summary = write_summary(tmp_path, runs, log=quiet)
+    assert summary["average_tasks"] == list(TASKS) and summary["glue_average"] == summary["average"]
+    assert summary["average_label"] == "GLUE average (best per task, all 9 tasks)"
+    write_finished_run(tmp_path / "other", runs[0], float("nan"))  # every run of the first task diverged
+    for i, settings in enumerate(runs[1:], 1):
+        write_finished_run(tmp_path / "other", settings, 0.5 + i / 100)
+    summary = write_summary(tmp_path / "other", runs, log=quiet)
+    assert summary["diverged_tasks"] == [runs[0].task] and len(summary["average_tasks"]) == 8
+    assert summary["glue_average"] is None  # the average of 8 tasks is not the GLUE average
+    assert "GLUE average (best per task" not in Path(summary["markdown"]).read_text()
+
+
 def test_a_summary_compares_only_runs_made_with_the_sweep_s_settings_and_says_what_it_left_out(tmp_path):
     runs = grid(["RTE"], lrs=[1e-3, 2e-3], batch_sizes=[2], checkpoint=0, epochs=2)
     for settings, score in zip(runs, (0.5, 0.6)):
@@ -542,6 +559,24 @@ def test_a_diverged_run_is_an_error_recorded_as_finished_without_a_submission_of
     assert (out / "result.json").stat().st_mtime_ns == recorded
 
 
+def test_a_diverged_run_made_without_test_predictions_is_not_redone_when_they_are_asked_for(fixture_model_dir):
+    # Its best.model holds the NaN weights: there is nothing to predict the test files with.
+    cp = fixture_model_dir / "model" / "cp-0000.model"
+    state = torch.load(cp, weights_only=True)
+    state["model_state_dict"]["encoder.embeddings.word_embeddings.weight"].fill_(float("nan"))
+    atomic.torch_save(cp, state)
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                submission=False)
+    with pytest.raises(FineTuningDiverged, match=r"no epoch has a finite dev score"):
+        finetune(fixture_model_dir, settings, log=quiet)
+    wanted = dataclasses.replace(settings, submission=True)
+    assert run_sweep(fixture_model_dir, [wanted], log=quiet)["skipped"] == [settings.run_name]
+    with pytest.raises(FineTuningDiverged, match=r"finished earlier with these settings, and diverged"):
+        finetune(fixture_model_dir, wanted, log=quiet)
+    assert json.loads((run_dir(fixture_model_dir / "model", settings) / "result.json").read_text())[
+        "submission_errors"] == []
+
+
 def test_the_collected_submission_does_not_depend_on_the_directory_a_sweep_is_run_from(fixture_model_dir,
                                                                                        monkeypatch):
     runs = grid(["MRPC"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=1, progress=False)
@@ -611,6 +646,37 @@ def test_a_prediction_does_not_depend_on_its_batch_mates_or_the_eval_batch_size(
     for batch_size in (2, 6):
         assert np.abs(logits(batch_size) - alone).max() < 1e-6   # with its batch: 1.2e-5 here
     assert all(m.init_rows is None for m in model.modules() if hasattr(m, "init_rows"))  # training: the batch's
+
+
+def test_predictions_are_made_in_eval_mode_and_the_next_epoch_trains_in_train_mode(shared_dir):
+    # Dropout (as Performer's redraws and Reformer's hashing) in a prediction would move dev scores and test files
+    # from one evaluation to the next; an epoch after an evaluation must train with it again.
+    from nystromformer.glue.encoding import EncodedDataset, PadCollator
+    from nystromformer.glue.finetune import Runner, build_optimizer, train_one_epoch
+    from nystromformer.glue.tasks import Example
+    from nystromformer.runtime import linear_warmup_decay
+    from nystromformer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(shared_dir / "tokenizers" / "roberta-base")
+    model = _tiny_classifier(tokenizer, 2)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+    examples = [Example(str(i), t, None, i % 2) for i, t in enumerate(["a short one", "the cat sat", "x", "ok"])]
+    loader = DataLoader(EncodedDataset(examples, tokenizer, 32, False), batch_size=2,
+                        collate_fn=PadCollator(tokenizer.pad_token_id, False, pad_to=32))
+    runner = Runner(model, torch.device("cpu"), False)
+    first = runner.predict(loader)
+    assert np.array_equal(runner.predict(loader), first)
+
+    class Bar(list):
+        def set_postfix(self, **kwargs):
+            pass
+    modes = []
+    model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    optimizer = build_optimizer(model, 1e-3, 0.0)
+    train_one_epoch(runner, Bar(loader), optimizer, linear_warmup_decay(optimizer, len(loader), 0))
+    assert modes == [True, True]
 
 
 def test_predictions_that_overflow_fp16_are_made_again_in_fp32(shared_dir):
@@ -877,6 +943,14 @@ def test_warmup_is_a_fraction_of_all_steps_and_the_rate_decays_to_zero_at_the_en
     history = finetune(fixture_model_dir, settings, log=quiet)["history"]
     # 3 steps an epoch, 6 in all, 3 warming up: the peak is reached at the end of the first epoch.
     assert [h["lr"] for h in history] == [pytest.approx(1e-3), pytest.approx(0.0)]
+
+
+def test_a_warmup_of_a_fractional_number_of_steps_is_rounded_down(fixture_model_dir):
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=1, epochs=2, warmup=0.25,
+                                progress=False, submission=False)
+    history = finetune(fixture_model_dir, settings, log=quiet)["history"]
+    # 6 steps, 0.25 of them is 1.5: 1 step of warm-up, then 5 of decay; after step 3, (6 - 3) / 5 of the peak.
+    assert [h["lr"] for h in history] == [pytest.approx(0.6e-3), pytest.approx(0.0)]
 
 
 def test_training_subsets_do_not_depend_on_the_global_random_state():
@@ -1418,3 +1492,41 @@ def test_the_sweep_plot_marks_whole_epochs_even_for_a_one_epoch_sweep(tmp_path, 
     mrpc, rte = made[0][1][0]   # in GLUE's task order
     assert list(rte.get_xticks()) == [1] and list(mrpc.get_xticks()) == [1, 2, 3]
     assert (tmp_path / "dev_scores.png").stat().st_size > 0
+
+
+def test_a_run_recorded_before_its_model_settings_or_one_of_their_keys_counts_as_made_with_todays():
+    # Runs before 2026-11-25 recorded no model settings, and a key added since is missing from older records: taken
+    # as today's (else every such finished run would be redone); a recorded value that differs is named.
+    from nystromformer.glue.finetune import method_differences, method_of, model_settings
+    model = ModelConfig()
+    method = method_of(model)
+    made = {"padding": method["padding"], "evaluation": method["evaluation"]}
+    assert method_differences(method, made) == []
+    older = {k: v for k, v in model_settings(model).items() if k != "weight_init"}
+    assert method_differences(method, {**made, "model_settings": older}) == []
+    assert method_differences(method, {**made, "model_settings": {**older, "num_landmarks": 32}}) == [
+        "model.num_landmarks 32 -> 64"]
+
+
+def test_a_run_repeated_with_its_seed_repeats_its_scores_whatever_ran_before_it(fixture_model_dir):
+    # The seed fixes the new head's initial weights and the dropout draws, not only the batches' order.
+    settings = FinetuneSettings(task="MRPC", checkpoint=0, lr=1e-3, batch_size=2, epochs=1, progress=False,
+                                submission=False)
+    first = finetune(fixture_model_dir, settings, log=quiet)
+    shutil.rmtree(run_dir(fixture_model_dir / "model", settings))  # trained again
+    torch.manual_seed(123)
+    again = finetune(fixture_model_dir, settings, log=quiet)
+    assert [(h["train_loss"], h["dev"]) for h in again["history"]] == [(h["train_loss"], h["dev"])
+                                                                       for h in first["history"]]
+
+
+def test_runs_of_another_summary_folder_are_left_out_of_a_summary_without_a_warning(tmp_path):
+    # A training subset (or another seed) has its own summary folder: its runs are not "made with other settings".
+    (run,) = grid(["RTE"], lrs=[1e-3], batch_sizes=[2], checkpoint=0, epochs=2)
+    write_finished_run(tmp_path, run, 0.5)
+    write_finished_run(tmp_path, dataclasses.replace(run, max_train_examples=100), 0.9)
+    write_finished_run(tmp_path, dataclasses.replace(run, seed=7), 0.8)
+    messages = []
+    summary = write_summary(tmp_path, [run], log=messages.append)
+    assert [r["score"] for r in summary["rows"]] == [0.5]
+    assert not any(m.startswith("warning:") for m in messages), messages

@@ -299,3 +299,20 @@ def test_a_checkpoint_folder_validation_cannot_write_to_is_refused_before_any_ev
                                         f"writable by this user"):
         validate(load_config(trained))
     assert not (folder / "validation_output.log").exists()
+
+
+def test_entries_logged_before_fingerprints_count_by_name_and_a_remeasurement_replaces_every_line_of_it(trained):
+    # Lines of this dev evaluation written between 2026-11-23 and 2026-11-29 have no fingerprint; earlier versions
+    # also appended a line per measurement, so a checkpoint may have several.
+    cfg = load_config(trained)
+    log = trained / "model" / "validation_output.log"
+    first = validate(cfg)
+    legacy = [{k: v for k, v in e.items() if k != "fingerprint"} for e in first]
+    log.write_text("".join(json.dumps(e) + "\n" for e in [legacy[0], legacy[1], legacy[0]]))
+    assert validate(cfg) == []  # measured by this evaluation: done, by name
+    assert [e["num_sequences"] for e in validate(cfg, epochs=[1], num_sequences=8)] == [8]  # kept beside the full one
+    (again,) = validate(cfg, epochs=[0])  # measured again: one line for it, in place of both
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["checkpoint"], e["num_sequences"], "fingerprint" in e) for e in logged] == [
+        ("cp-0000.model", again["num_sequences"], True), ("cp-0001.model", first[1]["num_sequences"], False),
+        ("cp-0001.model", 8, True)]
