@@ -1151,6 +1151,8 @@ def test_targets_report_judges_each_of_the_issues_targets_by_its_own_threshold(t
                                                      ("fast-triton-all", 3.478, 553, 8.3, 2.4e-3)]),
                                        (4096, 6.432, [("sdpa", 6.432, 583, 15.4, ""),
                                                       ("fast-triton-all", 3.572, 447, 8.6, 2.4e-3)]),
+                                       (16384, 24.638, [("sdpa", 24.638, 583, 59.1, ""),
+                                                        ("fast-triton-all", 3.757, 436, 9.0, 2.4e-3)]),
                                        (65536, 98.55, [("sdpa", 98.55, 583, 236.5, ""),
                                                        ("fast-triton-all", 2.976, 433, 7.1, 2.4e-3)]))
                  for impl, ms, peak, floor, err in rows]
@@ -1173,9 +1175,9 @@ def test_targets_report_judges_each_of_the_issues_targets_by_its_own_threshold(t
     assert verdicts["attention fwd+bwd ≤ 0.05× SDPA at n = 65,536", "fast-triton-all"][1] == "**yes**"
     # (these rows have no floor_tensors column: their floor counted 12 tensors, scaled here to the issue's 9)
     assert verdicts["attention within 5× of the bandwidth floor (every n)", "fast-triton-all"] == (
-        "9.5–11.5× over n = 512, 4096, 65536", "no")
+        "9.5–12.0× over n = 512, 4096, 16384, 65536", "no")
     memory = "attention peak memory linear in n (flat at a fixed 65,536 tokens: largest ≤ 1.5× smallest)"
-    assert verdicts[memory, "fast-triton-all"] == ("433–553 MiB over n = 512, 4096, 65536 (SDPA 583)", "**yes**")
+    assert verdicts[memory, "fast-triton-all"] == ("433–553 MiB over n = 512, 4096, 16384, 65536 (SDPA 583)", "**yes**")
     tolerance = "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"
     assert verdicts[tolerance, "GPU tests"] == ("85 passed, 0 failed, 0 errors, 0 skipped", "**yes**")
     bf16 = "n = 512, batch 32, conv 33, bf16 attention: nystrom-all"
@@ -1226,46 +1228,48 @@ def test_targets_report_judges_each_of_the_issues_targets_by_its_own_threshold(t
     # "every n": the lengths that were measured pass, but one failed — neither the floor nor flat memory is met
     floor, attn_memory = ("attention within 5× of the bandwidth floor (every n)",
                           "attention peak memory linear in n (flat at a fixed 65,536 tokens: largest ≤ 1.5× smallest)")
-    assert verdicts[floor, "fast-triton-all"] == ("11.1–11.5× over n = 512, 4096; failed at n = 65536", "no")
-    assert verdicts[attn_memory, "fast-triton-all"] == ("447–553 MiB over n = 512, 4096; failed at n = 65536 "
+    assert verdicts[floor, "fast-triton-all"] == ("11.1–12.0× over n = 512, 4096, 16384; failed at n = 65536", "no")
+    assert verdicts[attn_memory, "fast-triton-all"] == ("436–553 MiB over n = 512, 4096, 16384; failed at n = 65536 "
                                                         "(SDPA 583)", "no")
 
 
 def test_targets_report_needs_every_length_and_finite_figures(tmp_path):
-    # A time-limited run that never reached a length, or a NaN, must not read as met.
+    # A time-limited run that never reached a length, or a NaN, must not read as met. Here the run stopped after
+    # n = 4096: the table has no row at all for the issue's 16384 and 65536.
     def row(n, impl, ms, err, **extra):
         return dict(n=n, batch=65536 // n, impl=impl, ms=ms, host_ms="", peak_mib=400, vs_sdpa=ms / 10.0,
                     x_floor=ms / 1.0, rel_err=err, floor_tensors=9, bandwidth_gbs=2900.0, device="GPU", **extra)
-    rows = [row(n, "sdpa", 10.0, "") for n in (512, 4096, 65536)]
+    rows = [row(n, "sdpa", 10.0, "") for n in (512, 4096)]
     rows += [row(512, "fast-triton-all", 1.0, 2e-3), row(4096, "fast-triton-all", 1.2, "nan")]
     write_csv(tmp_path / "attention.csv", rows)
     lines = report_lines(str(tmp_path), "--impls", "fast-triton-all")
     verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(lines)}
     floor = "attention within 5× of the bandwidth floor (every n)"
     assert verdicts[floor, "fast-triton-all"] == (
-        "1.0–1.2× over n = 512, 4096; not measured at n = 65536 (copy bandwidth 2.90 TB/s)", "not measured")
+        "1.0–1.2× over n = 512, 4096; not measured at n = 16384, 65536 (copy bandwidth 2.90 TB/s)", "not measured")
     memory = "attention peak memory linear in n (flat at a fixed 65,536 tokens: largest ≤ 1.5× smallest)"
     assert verdicts[memory, "fast-triton-all"][1] == "not measured"
     tolerance = "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"
     assert verdicts[tolerance, "fast-triton-all"] == ("rel. err. not finite at n = 4096", "no")
     assert f"- {tolerance}: not met" in lines  # a failure the table measured, GPU tests or not
     # a length over the bound fails "every n" even with another length missing
-    rows[3].update(ms=9.0, x_floor=9.0)  # fast-triton-all at 512
+    rows[2].update(ms=9.0, x_floor=9.0)  # fast-triton-all at 512
     write_csv(tmp_path / "attention.csv", rows)
     verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(report_lines(str(tmp_path), "--impls",
                                                                                "fast-triton-all"))}
     assert verdicts[floor, "fast-triton-all"] == (
-        "1.2–9.0× over n = 512, 4096; not measured at n = 65536 (copy bandwidth 2.90 TB/s)", "no")
-    rows[3].update(ms=1.0, x_floor=1.0)
+        "1.2–9.0× over n = 512, 4096; not measured at n = 16384, 65536 (copy bandwidth 2.90 TB/s)", "no")
+    rows[2].update(ms=1.0, x_floor=1.0)
     # with every length and finite errors the table's forward check alone still does not meet the tolerance
     # target: gradients, padding and uneven n are checked by the GPU tests, which were not read here
     rows[-1].update(rel_err=2e-3)
-    rows.append(row(65536, "fast-triton-all", 1.1, 2e-3))
+    for n in (16384, 65536):
+        rows += [row(n, "sdpa", 10.0, ""), row(n, "fast-triton-all", 1.1, 2e-3)]
     write_csv(tmp_path / "attention.csv", rows)
     lines = report_lines(str(tmp_path), "--impls", "fast-triton-all")
     verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(lines)}
     assert verdicts[floor, "fast-triton-all"] == (
-        "1.0–1.2× over n = 512, 4096, 65536 (copy bandwidth 2.90 TB/s)", "**yes**")
+        "1.0–1.2× over n = 512, 4096, 16384, 65536 (copy bandwidth 2.90 TB/s)", "**yes**")
     assert verdicts[tolerance, "fast-triton-all"] == ("rel. err. ≤ 2.0e-03", "**yes**")
     assert f"- {tolerance}: not measured" in lines
 
@@ -1297,3 +1301,215 @@ def test_targets_report_refuses_a_folder_that_does_not_exist(tmp_path):
     proc = subprocess.run([sys.executable, "bench/targets_report.py", str(tmp_path / "nowhere")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "nowhere: no such folder" in proc.stderr
+
+
+def test_targets_report_fails_growing_memory_an_error_over_the_bound_and_lengths_that_all_failed(tmp_path):
+    # Each "every n" target fails on one bad length, the table's largest error decides, and an implementation whose
+    # every row failed (empty, or NaN: a failure, never "not measured") fails rather than going unjudged.
+    def row(n, impl, ms, peak=400, err=""):
+        return dict(n=n, batch=65536 // n, impl=impl, ms=ms, host_ms="", peak_mib=peak,
+                    vs_sdpa=ms / 10.0 if ms not in ("", "nan") else ms, x_floor=ms / 1.0 if ms not in ("", "nan") else ms,
+                    rel_err=err, floor_tensors=9, bandwidth_gbs=2900.0, device="GPU")
+    lengths = (512, 4096, 16384, 65536)
+    rows = [row(n, "sdpa", 10.0) for n in lengths]
+    rows += [row(512, "fast-triton-all", 1.0, 400, 2e-3), row(4096, "fast-triton-all", 1.0, 500, 2e-3),
+             row(16384, "fast-triton-all", 1.0, 600, 2e-3),
+             row(65536, "fast-triton-all", 1.0, 700, 3e-2)]                    # 700 > 1.5 × 400; 3e-2 > 1e-2
+    rows += [row(512, "fast-triton", "nan", "")] + [row(n, "fast-triton", "", "") for n in lengths[1:]]
+    write_csv(tmp_path / "attention.csv", rows)
+    lines = report_lines(str(tmp_path), "--impls", "fast-triton-all", "fast-triton")
+    verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(lines)}
+    floor = "attention within 5× of the bandwidth floor (every n)"
+    memory = "attention peak memory linear in n (flat at a fixed 65,536 tokens: largest ≤ 1.5× smallest)"
+    tolerance = "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"
+    assert verdicts[memory, "fast-triton-all"] == ("400–700 MiB over n = 512, 4096, 16384, 65536 (SDPA 400)", "no")
+    assert verdicts[tolerance, "fast-triton-all"] == ("rel. err. ≤ 3.0e-02", "no")
+    assert f"- {tolerance}: not met" in lines
+    assert verdicts["attention fwd+bwd ≤ 1.0× SDPA at n = 512", "fast-triton"] == (
+        "no time: failed or out of memory (see the table)", "no")
+    assert verdicts[floor, "fast-triton"] == ("not measured; failed at n = 512, 4096, 16384, 65536", "no")
+    assert verdicts[memory, "fast-triton"] == (
+        "not measured (no peak memory (CUDA only)); failed at n = 512, 4096, 16384, 65536", "no")
+    # passing GPU tests do not outweigh an error over the bound that the table measured
+    tests = tmp_path / "gpu-tests.txt"
+    tests.write_text("85 passed in 60.00s\n")
+    lines = report_lines(str(tmp_path), "--impls", "fast-triton-all", "--tests", str(tests))
+    assert f"- {tolerance}: not met" in lines
+    # a NaN floor ratio or peak (a NaN bandwidth, say) fails its length: it is not left out of "every n"
+    rows[7].update(peak_mib=700 / 1.75)  # memory now flat
+    rows[5].update(x_floor="nan")        # fast-triton-all at 4096
+    rows[6].update(peak_mib="nan")       # and at 16384
+    write_csv(tmp_path / "attention.csv", rows)
+    verdicts = {(r[0], r[1]): (r[2], r[3]) for r in table_rows(report_lines(str(tmp_path), "--impls",
+                                                                               "fast-triton-all"))}
+    assert verdicts[floor, "fast-triton-all"] == ("1.0× over n = 512, 65536; failed at n = 4096, 16384 "
+                                                  "(copy bandwidth 2.90 TB/s)", "no")
+    assert verdicts[memory, "fast-triton-all"] == ("400 MiB over n = 512, 65536; failed at n = 4096, 16384 "
+                                                   "(SDPA 400)", "no")
+
+
+def test_targets_report_a_gpu_test_that_errored_fails_correctness(tmp_path):
+    # pytest's summary says "1 error" (a fixture or collection error on the device), "2 errors" for more
+    tests = tmp_path / "gpu-tests.txt"
+    tolerance = "outputs and gradients within bf16 tolerance of the fp32 reference (rel. err. ≤ 1e-2; GPU tests)"
+    for summary, errors in (("1 error", 1), ("2 errors", 2)):
+        tests.write_text(f"..E..\n{summary}, 84 passed in 61.20s (0:01:01)\n")
+        lines = report_lines(str(tmp_path), "--tests", str(tests))
+        assert {(r[0], r[1]): (r[2], r[3]) for r in table_rows(lines)}[tolerance, "GPU tests"] == (
+            f"84 passed, 0 failed, {errors} errors, 0 skipped", "no")
+        assert f"- {tolerance}: not met" in lines
+
+
+def test_the_targets_stage_measures_what_the_report_judges_and_the_report_reads_its_files(tmp_path):
+    # A command that parses but measures the wrong thing passes the dry run: no SDPA row (no ratio), no --check
+    # (no error), a table under a name the report does not read, fp32 attention not asked for, the report not
+    # given the GPU tests' file. Each would leave a target unjudged in the device's 15 minutes.
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", "check", "targets"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    checked = [line.removeprefix("dry run ok: ").split() for line in proc.stdout.splitlines()
+               if line.startswith("dry run ok: ") and "--print-untimed" not in line]
+
+    def flag(command, name):  # the words after --name up to the next flag
+        words = command[command.index(name) + 1:]
+        return next(([words[:i]] for i, w in enumerate(words) if w.startswith("--")), [words])[0]
+    gpu_tests, = [c for c in checked if c[:2] == ["-m", "pytest"] and "-m" in c[2:] and "gpu" in c]
+    report, = [c for c in checked if c[0] == "bench/targets_report.py"]
+    folder = Path(report[1])
+    assert flag(report, "--tests") == [str(folder.parent / "check" / "gpu-tests.txt")]
+    sys.path.insert(0, str(REPO / "bench"))
+    import targets_report
+    defaults = {a.dest: a.default for a in targets_report.build_parser()._actions}
+    attention, = [c for c in checked if c[0] == "bench/attention_speed.py"]
+    assert {"sdpa", *defaults["impls"]} <= set(flag(attention, "--impls")) and "--check" in attention
+    assert flag(attention, "--csv") == [str(folder / "attention.csv")]
+    tables = {}
+    for c in (c for c in checked if c[0] == "bench/model_speed.py"):
+        csv_path = Path(flag(c, "--csv")[0])
+        assert csv_path.parent == folder and csv_path.match("model-*.csv"), c
+        tables[flag(c, "--seq-len")[0], flag(c, "--attention-fp32")[0]] = set(flag(c, "--models"))
+    assert set(tables) == {("512", "false"), ("4096", "false"), ("512", "true")}
+    assert all("softmax" in models and models & set(defaults["models"]) for models in tables.values())
+    assert "hf-nystromformer" in tables["512", "false"]
+    # the check stage writes the GPU tests' output (and only theirs) where the report reads it
+    text = (REPO / "bench" / "gpu_session.sh").read_text()
+    check = text[text.index("stage_check() {"):text.index("stage_targets() {")]
+    assert check.count('tee "$d/gpu-tests.txt"') == 1 and "local d=$RESULTS/check" in check
+    assert check.index(" -m gpu ") < check.index('tee "$d/gpu-tests.txt"') < check.index("host_time")
+
+
+def test_a_dry_run_with_a_command_that_fails_its_check_or_an_unknown_stage_exits_1(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1",
+               LISTOPS_TYPES="softmax", LISTOPS_ARGS="--no-such-flag")
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", "listops"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "=== dry run: 1 command(s) FAILED their check" in proc.stdout, proc.stdout[-3000:]
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", "no_such_stage"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1 and "=== dry run: 1 command(s) FAILED their check" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_tuned_stage_stops_when_its_gpu_tests_did_not_pass(tmp_path):
+    # pytest's own status, not the status of the `tail` it is piped into: here it is cut off (no time left, 124),
+    # and nothing is timed with settings the tests did not pass
+    best = tmp_path / "carried" / "best.json"
+    best.parent.mkdir()
+    best.write_text('{"bf16": {"conv_raw": {"rows": 32}}}')
+    proc = run_stage(tmp_path, "tuned", BEST=str(best), SESSION_LIMIT="1")
+    assert f"=== tuned: the GPU tests with {best} did not pass (status 124)" in proc.stdout, proc.stdout[-3000:]
+    assert "=== stage tuned FAILED (1)" in proc.stdout and "bench/attention_speed.py" not in proc.stdout
+
+
+def test_model_speeds_csv_has_the_ratios_and_setting_the_targets_report_reads_also_when_failed_or_stopped(tmp_path):
+    # targets_report.py takes the × transformers' Nyströmformer ratio from this file and tells fp32 attention by the
+    # word "true"; a failing model and a stop keep the rows measured (no real model is run here)
+    planted = """
+def measure(name, args, cfg, device, amp):
+    if name == "nystrom-all":
+        raise ValueError("planted")
+    if name == "nystrom":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return ({"softmax": 1000.0, "hf-nystromformer": 400.0}[name], 2000.0, 1.0, None, None), None, None
+module.measure = measure
+"""
+    path = tmp_path / "model-512-fp32.csv"
+    proc = run_injected("model_speed", planted, "--device", "cpu", "--models", "softmax", "hf-nystromformer",
+                        "nystrom-all", "nystrom", "--attention-fp32", "true", "--csv", str(path))
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(path, newline="") as f:
+        rows = {r["model"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["softmax", "hf-nystromformer", "nystrom-all"]
+    assert {r["attention_fp32"] for r in rows.values()} == {"true"}
+    assert float(rows["softmax"]["vs_hf_nystromformer"]) == 2.5 and float(rows["hf-nystromformer"]["vs_softmax"]) == 0.4
+    assert rows["nystrom-all"]["tokens_per_s"] == ""
+    sys.path.insert(0, str(REPO / "bench"))
+    import targets_report
+    assert targets_report.setting_of(list(rows.values())).endswith("fp32 attention")
+
+
+def test_attention_speeds_csv_has_the_ratios_and_floor_the_targets_report_reads(tmp_path):
+    # the floor's ratio and its tensor count, and × SDPA, as targets_report.py reads them (a bandwidth stands in for
+    # the GPU's copy bandwidth, which the CPU does not measure)
+    path = tmp_path / "attention.csv"
+    proc = run_injected("attention_speed", "module.measure_bandwidth = lambda device: 1e9\n", *ATTENTION_ARGS,
+                        "--csv", str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    sdpa = {r["n"]: float(r["ms"]) for r in rows if r["impl"] == "sdpa"}
+    for r in rows:
+        n, b, ms = int(r["n"]), int(r["batch"]), float(r["ms"])
+        assert r["floor_tensors"] == "9" and float(r["bandwidth_gbs"]) == 1.0
+        assert abs(float(r["vs_sdpa"]) - ms / sdpa[r["n"]]) < 1e-9 * ms / sdpa[r["n"]]
+        floor_ms = 9 * b * n * 2 * 16 * 2 / 1e9 * 1e3          # 9 tensors of b·n·h·d bf16 elements
+        assert abs(float(r["x_floor"]) - ms / floor_ms) < 1e-9 * ms / floor_ms
+
+
+def test_kernel_settings_judges_agreement_by_the_swept_dtypes_tolerance():
+    # an fp32 sweep accepts only fp32's reordering (a 5e-3 difference is a bf16 rounding, a wrong result in fp32);
+    # bf16's norm bound is 1e-2
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import agrees, best_settings
+    rows = {"4096": [{"setting": "chosen", "override": {}, "ms": 1.0, "diff": 0.0, "max_diff": 0.0, "programs": 8,
+                      "launched": {"num_stages": 3}},
+                     {"setting": "num_stages=2", "override": {"num_stages": 2}, "ms": 0.5, "diff": 5e-3,
+                      "max_diff": 1e-2, "programs": 8, "launched": {"num_stages": 2}}]}
+    assert best_settings({"conv_raw": rows}, 0.97, "bf16") == {"conv_raw": ({"num_stages": 2}, 0.5)}
+    assert best_settings({"conv_raw": rows}, 0.97, "fp32") == {}
+    assert not agrees({"diff": 2e-2, "max_diff": 2e-2}, "bf16")
+
+
+def test_kernel_settings_each_wrappers_process_sweeps_at_the_sizes_it_was_given(monkeypatch, capsys):
+    # the settings stage sweeps at --conv 65 (the shipped configs'); a child left at the default 33 would time other
+    # launches and write "when" entries the layer at 65 never matches
+    sys.path.insert(0, str(REPO / "bench"))
+    import argparse
+    import kernel_settings
+    parent = argparse.Namespace(lengths=[128, 256], device="cpu", tokens=512, heads=3, head_dim=8, landmarks=4,
+                                conv=7, dtype="fp32", repeat=2)
+    argv = kernel_settings.child_argv(parent, "conv_raw")
+    assert argv[:2] == [sys.executable, kernel_settings.__file__]
+    monkeypatch.setattr(kernel_settings, "child_sweep", lambda args: {k: getattr(args, k) for k in
+                                                                      (*vars(parent), "child")})
+    kernel_settings.main(argv[2:])
+    assert json.loads(capsys.readouterr().out) == {**vars(parent), "child": "conv_raw"}
+
+
+def test_kernel_settings_varies_each_setting_down_to_the_wrappers_least_rows():
+    sys.path.insert(0, str(REPO / "bench"))
+    from kernel_settings import variations
+    assert variations({"rows": 32, "tiles": 2, "num_warps": 4}, min_rows=16) == [
+        {}, {"rows": 16}, {"rows": 64}, {"tiles": 1}, {"tiles": 4}, {"num_warps": 8}, {"num_stages": 2},
+        {"num_stages": 4}]
+    assert {"rows": 8} not in variations({"rows": 16, "num_warps": 8}, min_rows=16)
+
+
+def test_gpu_session_dry_run_fails_a_script_that_never_parses_its_arguments(tmp_path):
+    # such a script would have run for real here (and its check said nothing about the device's run)
+    script = tmp_path / "no_parser.py"
+    script.write_text("print('ran for real')\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "code"))
+    proc = subprocess.run([sys.executable, "bench/gpu_session_dry_run.py", str(script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "finished without parsing any arguments" in proc.stderr, proc.stderr[-2000:]
