@@ -721,3 +721,53 @@ def test_import_reads_an_existing_config_json_as_strictly_as_every_command(tmp_p
     (target / "config.json").write_text('{"model": {"num_layers": 2, "num_layers": 3}}')
     assert main(["import-hf", "--input", str(tmp_path / "hf"), "--model-dir", str(target)]) == 2
     assert "model.num_layers: appears more than once" in capsys.readouterr().err
+
+
+def test_a_previous_export_left_aside_beside_a_completed_one_is_removed_not_restored_over_it(tmp_path):
+    # killed after the new export was renamed in, before the old one (aside) was removed: the next export removes
+    # the leftover and replaces the output; renaming the leftover onto the existing output would fail or lose it
+    from nystromformer.interop import STAGING_SUFFIX
+    folder = write_checkpoint(tmp_path, ours(num_landmarks=8))
+    out = export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=lambda s: None)
+    files = sorted(p.name for p in out.iterdir())
+    aside = tmp_path / f".hf.abc{STAGING_SUFFIX}.old"
+    aside.mkdir()
+    (aside / "config.json").write_text('{"model_type": "nystromformer"}')
+    logs = []
+    export_hf(load_config(folder), tmp_path / "hf", epoch=0, log=logs.append, overwrite=True)
+    assert not aside.exists() and any("removing" in line for line in logs)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m"]
+
+
+def test_a_nystromformer_checkpoint_without_a_layer_s_conv_is_refused_not_left_at_our_init(tmp_path):
+    # Only RoBERTa (no conv at all) may leave the attention's parameters at our initialisation.
+    _, src = hf_nystromformer(tmp_path)
+    broken = resave(src, tmp_path / "bad", lambda k: None if "layer.1.attention.self.conv" in k else k)
+    with pytest.raises(InteropError, match=r"1 encoder weight\(s\) are not in the transformers weights, e.g. "
+                                           r"nystromformer.encoder.layer.1.attention.self.conv.weight"):
+        import_hf(broken, tmp_path / "ours", log=lambda s: None)
+
+
+def test_an_untied_decoder_bias_is_refused_rather_than_silently_replaced_by_the_head_s_bias(tmp_path):
+    from safetensors.torch import load_file
+    _, src = hf_nystromformer(tmp_path)
+    state = load_file(str(src / "model.safetensors"))
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"] + 1
+    state["cls.predictions.decoder.weight"] = state["nystromformer.embeddings.word_embeddings.weight"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    torch.save(state, bad / "pytorch_model.bin")
+    with pytest.raises(InteropError, match=r"cls.predictions.decoder.bias differs from cls.predictions.bias"):
+        import_hf(bad, tmp_path / "ours", log=lambda s: None)
+    assert not (tmp_path / "ours" / "imported").exists()
+
+
+def test_trained_conv_weights_that_another_attention_type_discards_are_reported_as_not_used(tmp_path):
+    # a zero 1x1 conv (our export of "no conv") is dropped silently; trained conv weights never are
+    _, src = hf_nystromformer(tmp_path)
+    logs = []
+    import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax"}, log=logs.append)
+    [unused] = [line for line in logs if line.startswith("transformers weights not used")]
+    assert "nystromformer.encoder.layer.0.attention.self.conv.weight" in unused

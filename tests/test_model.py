@@ -143,6 +143,19 @@ def test_a_compiled_encoder_runs_as_one_graph_per_training_step_and_evaluation(a
     torch.manual_seed(0)
     model = NystromformerForMaskedLM(model_config(attn_type=attn_type, num_layers=2, performer_redraw_interval=1,
                                                   block_size=8, reformer_bucket_size=8))
+    projections = []
+
+    def after_each_pass():
+        if attn_type == "performer":
+            projections.append(model.encoder.layers[0].attention.attn.projection.clone())
+    assert graphs_per_pass(model, ("train", "train", "train", "eval", "eval"), after_each_pass) == [1, 1, 1, 1, 1]
+    if attn_type == "performer":
+        assert not torch.equal(projections[0], projections[1]) and torch.equal(projections[3], projections[4])
+
+
+def graphs_per_pass(model, modes, after_each_pass=lambda: None):
+    """The encoder compiled with a backend that counts the graphs run: how many, for each pass of ``modes``
+    ("train": forward and backward of the MLM loss; "eval": logits)."""
     pieces = []
 
     def counting_backend(graph, example_inputs):
@@ -152,17 +165,14 @@ def test_a_compiled_encoder_runs_as_one_graph_per_training_step_and_evaluation(a
         return run
     model.encoder.compile(backend=counting_backend)
     ids = torch.randint(5, 64, (2, 32))
-    per_call, projections = [], []
-    for mode in ("train", "train", "train", "eval", "eval"):
+    per_call = []
+    for mode in modes:
         model.train(mode == "train")
         pieces.clear()
         model(ids, ids.clone()).loss.backward() if mode == "train" else model.logits(ids)
         per_call.append(len(pieces))
-        if attn_type == "performer":
-            projections.append(model.encoder.layers[0].attention.attn.projection.clone())
-    assert per_call == [1, 1, 1, 1, 1]
-    if attn_type == "performer":
-        assert not torch.equal(projections[0], projections[1]) and torch.equal(projections[3], projections[4])
+        after_each_pass()
+    return per_call
 
 
 def test_attention_runs_in_fp32_under_autocast_when_configured():
@@ -416,3 +426,39 @@ def test_the_feed_forward_and_heads_use_the_configured_gelu(hidden_act, approxim
     other = torch.nn.functional.gelu(ffn.dense_in(x), approximate="none" if approximate == "tanh" else "tanh")
     assert not torch.allclose(ffn(x), ffn.dense_out(other), rtol=0, atol=1e-9)
     assert model.mlm_head.act(x).equal(torch.nn.functional.gelu(x, approximate=approximate))
+
+
+def test_a_compiled_encoder_inside_fixed_weights_runs_as_one_graph_per_pass():
+    # fixed_weights' joined-weight cache is host work (a dict, version counters): compiled, the projections take
+    # the plain join, or every layer would split the graph
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(model_config(num_layers=2))
+    with fixed_weights(model):
+        assert graphs_per_pass(model, ("train", "train", "eval")) == [1, 1, 1]
+
+
+def test_batch_groups_of_fewer_than_one_row_are_refused_when_set():
+    from nystromformer.model import set_batch_groups
+    model = NystromformerForMaskedLM(model_config())
+    for rows in (0, -1):
+        with pytest.raises(ValueError, match="batch groups: rows must be >= 1"):
+            set_batch_groups(model, rows)
+    set_batch_groups(model, 2)
+    groups = [m.init_rows for m in model.modules() if hasattr(m, "init_rows")]
+    assert groups and all(rows == 2 for rows in groups)
+
+
+def test_the_paper_scheme_s_mlm_bias_bound_is_the_decoder_s_fan_in_the_embedding_width():
+    # the authors' decoder: nn.Linear(embedding_dim, vocab); with a narrower embedding than the transformer its
+    # fan-in is embedding_dim, not transformer_dim
+    torch.manual_seed(0)
+    model = NystromformerForMaskedLM(config_from_dict(tiny_config(transformer_dim=64, num_head=8, embedding_dim=32,
+                                                                  vocab_size=4000, weight_init="paper")).model)
+    bias, bound = model.mlm_head.bias, 32 ** -0.5
+    assert bias.abs().max() <= bound and abs(bias.std().item() / (bound / 3 ** 0.5) - 1) < 0.1
+
+
+def test_a_target_of_token_id_0_is_a_masked_position_like_any_other():
+    labels = torch.full((2, 5), IGNORE_INDEX)
+    labels[0, 1], labels[1, 3] = 0, 7
+    assert masked_positions_of(labels).tolist() == [1, 8]

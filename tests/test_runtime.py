@@ -192,3 +192,11 @@ def test_a_console_line_is_written_whole_in_one_call(monkeypatch):
     say("warning: the tokenizer differs")
     assert writes == {"stdout": ["start MRPC-0-0.001-2-1 on CUDA_VISIBLE_DEVICES=0\n"],
                       "stderr": ["warning: the tokenizer differs\n"]}
+
+
+def test_an_explicit_cuda_index_wins_over_the_local_rank_even_when_it_is_0(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:0", local_rank=1) == torch.device("cuda", 0)
+    assert resolve_device("cuda:1", local_rank=0) == torch.device("cuda", 1)
+    assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
