@@ -1142,6 +1142,13 @@ def test_a_sweep_given_one_device_runs_every_run_on_it_and_by_default_one_gpu_ru
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert main(["glue-sweep", "--lrs", "4e-3,5e-3", *flags]) == 1
     assert sorted(children[2:]) == ["2", "3"]
+    # CUDA counts the listed GPUs up to the first one that does not exist: only those get runs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,7")
+    assert main(["glue-sweep", "--lrs", "6e-3,7e-3,8e-3", *flags]) == 1
+    assert len(children) == 7 and set(children[4:]) == {"2", "3"}
+    # entries given with spaces after the commas are the same devices (" 3" would be no device to CUDA)
+    assert main(["glue-sweep", "--devices", "2, 3", "--lrs", "9e-3,1e-2", *flags]) == 1
+    assert sorted(children[7:]) == ["2", "3"]
 
 
 def test_a_sweep_asked_for_gpus_on_a_machine_without_one_or_with_a_misspelt_switch_stops_before_its_first_run(

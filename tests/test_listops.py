@@ -520,3 +520,8 @@ def test_the_train_time_leaves_out_the_evaluations(monkeypatch):
     monkeypatch.setattr(lra_train, "accuracy", slow_accuracy)
     result = train_one("softmax", tiny_splits(), RunSettings(**TINY, steps=4, eval_every=2))
     assert result["train_seconds"] == 0.0 and result["eval_seconds"] == 300.0
+
+
+def test_generation_that_draws_its_last_tree_on_its_last_try_returns_it():
+    drawn = listops.generate(1, 0, max_depth=2, max_args=2, min_length=1, max_length=100, max_tries=2)
+    assert listops.generate(1, 0, max_depth=2, max_args=2, min_length=1, max_length=100, max_tries=1) == drawn

@@ -101,8 +101,9 @@ def cmd_glue_sweep(args: argparse.Namespace) -> int:
                                                                      if t.strip()]
     # Given devices, even one, are honoured (each run a process that sees only its device); by default several
     # visible GPUs run in parallel, and one GPU (or none) runs the grid in this process on --device.
-    devices = args.devices.split(",") if args.devices else None
-    if devices and not all(d.strip() for d in devices):
+    # (stripped: CUDA reads " 1" as no device, and hides every device from an entry it cannot read on)
+    devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
+    if devices and not all(devices):
         raise SettingsError(f"--devices {args.devices}: an empty entry (give CUDA_VISIBLE_DEVICES values such as 0,1)")
     if devices and args.device and ":" in args.device:
         raise SettingsError(f"--device {args.device} with --devices {args.devices}: each run sees only its own GPU "

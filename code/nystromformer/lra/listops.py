@@ -124,6 +124,8 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
         progress.update()
         progress.set_postfix(tries=tries + 1, refresh=False)
     progress.close()
+    if len(out) == num_samples:  # the last try drew the last tree
+        return out
     raise ListOpsDataError(f"only {len(out)} of {num_samples} distinct trees with {min_length} <= length <= "
                            f"{max_length} at depth <= {max_depth} after {max_tries} tries; widen the limits")
 
