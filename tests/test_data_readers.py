@@ -833,3 +833,30 @@ def test_partitions_cannot_be_written_into_their_input_folder(tmp_path, capsys, 
     assert capsys.readouterr().err == (f"error: --output {output}: is inside the input folder {stories}; write it "
                                        f"elsewhere (its files would be read back as input)\n")
     assert sorted(p.relative_to(stories) for p in stories.rglob("*")) == before
+
+
+def test_rerunning_preprocess_with_the_input_spelled_another_way_touches_no_file(tmp_path, monkeypatch):
+    preprocess(tmp_path, "wiki", "--words-per-partition", "100")  # the input as an absolute path
+    before = file_states(tmp_path / "wiki")
+    monkeypatch.chdir(FIXTURES)  # the same files, named relative to here: compared by absolute path, size and mtime
+    assert run_command(["preprocess", "wiki", "--input", "wiki", "--output", tmp_path / "wiki",
+                        "--words-per-partition", "100"]) == 0
+    assert file_states(tmp_path / "wiki") == before
+
+
+def test_a_new_partition_folder_gets_a_new_folders_permissions_and_a_replaced_one_keeps_its_own(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        write_partitions(iter(["a b c"]), tmp_path / "p", "wiki", SkipLog())
+        assert (tmp_path / "p").stat().st_mode & 0o7777 == 0o755  # not the work folder's 0700 (mkdtemp)
+        os.chmod(tmp_path / "p", 0o750)
+        write_partitions(iter(["d e f"]), tmp_path / "p", "wiki", SkipLog())
+        assert (tmp_path / "p").stat().st_mode & 0o7777 == 0o750
+    finally:
+        os.umask(old_umask)
+
+
+def test_an_empty_document_is_too_short_even_when_min_words_is_0(tmp_path):
+    stats = write_partitions(iter(["a b", "", " \n ", "c"]), tmp_path / "p", "stories", SkipLog(), min_words=0)
+    assert (stats["documents_kept"], stats["documents_too_short"], stats["words"]) == (2, 2, 3)
+    assert list(read_partition(tmp_path / "p" / "part-00000.txt")) == ["a b", "c"]

@@ -118,3 +118,17 @@ def test_on_a_file_system_without_locks_the_demo_warns_and_goes_on(tmp_path, mon
     with demo.claimed_output(tmp_path / "demo-output"):
         assert (tmp_path / "demo-output" / demo.MARKER).is_file()
     assert "does not support locks" in capsys.readouterr().err
+
+
+def test_emptying_a_demo_folder_unlinks_a_symlink_in_it_and_leaves_what_it_points_to(tmp_path):
+    from nystromformer import demo
+    out = tmp_path / "demo-output"
+    out.mkdir()
+    (out / demo.MARKER).write_text("old")
+    elsewhere = tmp_path / "corpus"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the demo's")
+    (out / "corpus").symlink_to(elsewhere, target_is_directory=True)
+    with demo.claimed_output(out):
+        assert [p.name for p in out.iterdir()] == [demo.MARKER]
+    assert (elsewhere / "keep.txt").read_text() == "not the demo's"

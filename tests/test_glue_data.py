@@ -267,3 +267,25 @@ def test_roberta_gives_all_zero_token_types_when_the_model_takes_them(roberta):
         assert item["token_type_ids"] == [0] * len(item["input_ids"])
     batch = PadCollator(roberta.pad_token_id, regression=False)([data[0], data[1]])
     assert batch["token_type_ids"].shape == batch["input_ids"].shape and not batch["token_type_ids"].any()
+
+
+def test_a_test_split_keeps_rows_with_an_empty_text_and_refuses_an_index_given_twice(tmp_path):
+    # The server wants one prediction per test index: a test row with an empty question is predicted, not dropped
+    # as a labelled row would be; an index given twice is a malformed row (read through read_split, as glue reads it).
+    (tmp_path / "QQP").mkdir()
+    (tmp_path / "QQP" / "test.tsv").write_text("id\tquestion1\tquestion2\n0\tWhy?\t\n1\tHow?\tWhat?\n1\tAgain?\tYes.\n")
+    result = read_split(tmp_path, get_task("QQP"), "QQP.tsv")
+    assert [(e.index, e.text_b) for e in result.examples] == [("0", ""), ("1", "What?")]
+    assert result.malformed == ["test.tsv:4: index '1' again (first at line 3)"]
+
+
+def test_rows_of_a_header_less_file_are_named_by_their_line_in_the_file_blank_lines_included(tmp_path):
+    (tmp_path / "CoLA").mkdir()
+    (tmp_path / "CoLA" / "dev.tsv").write_text("gj04\t1\t\tGood.\n\n\ngj04\t7\t\tBad label.\ngj04\t1\tShifted.\n"
+                                               "gj04\t1\t\t\ngj04\t0\t*\tFine.\ngj04\t1\n")
+    result = read_split(tmp_path, get_task("CoLA"), "dev")
+    assert [(e.index, e.label) for e in result.examples] == [("0", 1), ("4", 0)]  # CoLA rows: their position
+    assert result.malformed == ["dev.tsv:4: unknown label '7' (expected one of 0, 1)", "dev.tsv:5: 3 fields, expected 4",
+                                "dev.tsv:6: empty text", "dev.tsv:8: 2 fields, expected 4"]
+    assert result.report().endswith("skipped 4 malformed row(s): dev.tsv:4: unknown label '7' (expected one of 0, 1); "
+                                    "dev.tsv:5: 3 fields, expected 4; dev.tsv:6: empty text (and 1 more)")

@@ -1005,6 +1005,7 @@ def test_plot_leaves_out_entries_it_cannot_plot_and_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "skipped 1 unreadable line(s) (line 4: a torn write?)" in err
     assert "1 train/dev entry without step, loss, mlm_accu left out" in err
+    assert any(line.startswith("warning: ") and "1 train/dev entry without" in line for line in err.splitlines()), err
     (folder / "model" / "pretrain_output.log").write_text('{"type": "config"}\n')
     assert main(["plot", "--model-dir", str(folder), "--output", str(tmp_path / "c.png")]) == 2
     assert "pretrain_output.log: no train or dev entry to plot" in capsys.readouterr().err
@@ -1327,6 +1328,27 @@ def test_plot_draws_the_loss_and_the_accuracy_of_each_log_in_their_panels(tmp_pa
     for axes, y in drawn:
         panels.setdefault(axes.get_ylabel(), []).append(y)
     assert panels == {"MLM loss": [[4.0], [3.0]], "MLM accuracy": [[0.1], [0.2]]}  # train, then dev
+
+
+def test_plot_smooths_the_train_loss_by_a_trailing_mean_that_starts_and_ends_on_the_raw_level(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    drawn, plot = [], Axes.plot
+
+    def record(self, x, y, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(y)))
+        return plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    log = tmp_path / "log"
+    log.write_text("".join(json.dumps({"type": "train", "step": s, "loss": 4.0 if s <= 100 else 2.0, "mlm_accu": 0.1})
+                           + "\n" for s in range(1, 201)))
+    plots.plot_pretraining({"r": log}, tmp_path / "c.png")
+    (smooth,) = [y for label, y in drawn if label == "r train"]
+    # A mean over the points there are (not a full window from the first step): a flat start stays flat.
+    assert smooth[:100] == [4.0] * 100 and smooth[-1] == 2.0
+    assert all(a >= b for a, b in zip(smooth, smooth[1:]))
 
 
 def test_plot_draws_every_run_in_its_own_colour_beyond_the_default_ten(tmp_path, monkeypatch):

@@ -132,6 +132,9 @@ def test_a_bad_environment_variable_is_one_error_line_when_the_command_starts(ca
     (errno.ENOSPC, "error: /runs/x/best.model: no space left on the device; it needs an output folder with room"),
     (errno.EACCES, "error: /runs/x/best.model: permission denied; it needs an input this user can read, or an output "
                    "folder this user can write to"),
+    (errno.EPERM, "error: /runs/x/best.model: permission denied; it needs an input this user can read, or an output "
+                  "folder this user can write to"),
+    (errno.EDQUOT, "error: /runs/x/best.model: disk quota exceeded; it needs an output folder with room"),
 ])
 def test_a_write_the_file_system_refuses_is_one_error_line_naming_the_file(capsys, code, says):
     from nystromformer.cli import run_command
