@@ -414,12 +414,17 @@ def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
     lines = proc.stdout.splitlines()
     rows = table_rows(lines)
     assert [r[0] for r in rows] == ["nystrom", "softmax"]
+
+    def is_their_ratio(printed, a, b):  # a ratio to 2 decimals of figures printed to whole tokens/s
+        a, b = float(a), float(b)
+        return (a - 0.5) / (b + 0.5) - 0.005 <= float(printed) <= (a + 0.5) / (b - 0.5) + 0.005
+
     for name, loop, bare, ratio, loop_x, bare_x in rows:
-        assert float(loop) > 0 and float(bare) > 0 and abs(float(ratio) - float(loop) / float(bare)) < 0.01
+        assert float(loop) > 0 and float(bare) > 0 and is_their_ratio(ratio, loop, bare), (loop, bare, ratio)
     assert rows[1][4:] == ["1.00", "1.00"]  # softmax against itself
-    nystrom_loop, nystrom_bare, softmax_loop, softmax_bare = (float(rows[i][j]) for i in (0, 1) for j in (1, 2))
-    assert abs(float(rows[0][4]) - nystrom_loop / softmax_loop) < 0.01
-    assert abs(float(rows[0][5]) - nystrom_bare / softmax_bare) < 0.01
+    (_, nystrom_loop, nystrom_bare, *_), (_, softmax_loop, softmax_bare, *_) = rows
+    assert is_their_ratio(rows[0][4], nystrom_loop, softmax_loop)
+    assert is_their_ratio(rows[0][5], nystrom_bare, softmax_bare)
     assert lines[-1] == "medians over [2, 2, 2, 2]"
     # micro-batches of 1 in passes of 2: what pretrain itself says it ran, not only the title
     grouped = run_script("bench/pretrain_loop.py", "--device", "cpu", "--seq-len", "32", "--batch", "4", "--layers",
