@@ -17,9 +17,9 @@ counts as met where every setting meets it, "met in some" where only some do. Th
 own, written once in TARGETS below. Never met on less than was asked: the "every n" targets (floor, flat memory)
 fail if a length failed and are not judged if one of the issue's lengths (512, 4096, 16384, 65536) or the table's
 is missing; a NaN is a failure; the tolerance target needs the GPU tests (the table checks forward outputs alone)
-and fails on any failing test or any error over the bound in the table; the softmax baseline is SDPA in bf16, also for tables with
-fp32 attention; the floor is the issue's 9 tensors (older CSVs, whose floor counted 12, are scaled). Prints
-Markdown; exits 2 when the folder does not exist.
+and fails on any failing test or any error over the bound in the table; the softmax baseline is SDPA in bf16, also
+for tables with fp32 attention; the floor is the issue's 9 tensors (older CSVs, whose floor counted 12, are
+scaled). Prints Markdown; exits 2 when the folder does not exist.
 """
 from __future__ import annotations
 
@@ -75,6 +75,12 @@ def failed(row: dict, column: str) -> bool:
     return value is None or not math.isfinite(value)
 
 
+def is_nan(row: dict, column: str) -> bool:
+    """The cell holds a figure that came out NaN or infinite (an empty cell is "none", e.g. no peak on the CPU)."""
+    value = number(row[column])
+    return value is not None and not math.isfinite(value)
+
+
 def floor_ratio(row: dict) -> float | None:
     """× issue #6's floor of 9 tensors. Tables before 2026-11-29 have no ``floor_tensors`` column: their floor
     counted 12 tensors (q, k, v read again by the backward), so their ratio is scaled to the issue's."""
@@ -115,8 +121,7 @@ def judge_attention(rows: list[dict], impls: list[str]) -> list[Verdict]:
             verdicts.append(Verdict(key, impl, figure, ratio <= bound))
         # "every n": a length the table has (SDPA's included) with no figure of this impl is no pass
         # a NaN floor ratio or peak (a NaN bandwidth, say) is a failure of that length, not left out
-        failures = [r["n"] for r in mine if failed(r, "ms") or any(
-            (value := number(r[column])) is not None and not math.isfinite(value) for column in ("x_floor", "peak_mib"))]
+        failures = [r["n"] for r in mine if failed(r, "ms") or is_nan(r, "x_floor") or is_nan(r, "peak_mib")]
         missing = [str(n) for n in lengths if (n, impl) not in by]
         measured = [r for r in mine if r["n"] not in failures]
         gaps = "; " + ", ".join(filter(None, [f"failed at n = {', '.join(failures)}" if failures else "",

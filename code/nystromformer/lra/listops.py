@@ -108,8 +108,7 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
                     disable=num_samples < 1000)
     for tries in range(max_tries):
         if len(out) == num_samples:
-            progress.close()
-            return out
+            break
         try:
             tree, length = generate_tree(rng, 1, max_depth, max_args, give_up_after)
         except _TooLong:
@@ -124,7 +123,7 @@ def generate(num_samples: int, seed: int, max_depth: int = 10, max_args: int = 1
         progress.update()
         progress.set_postfix(tries=tries + 1, refresh=False)
     progress.close()
-    if len(out) == num_samples:  # the last try drew the last tree
+    if len(out) == num_samples:  # (also when the last try drew the last tree)
         return out
     raise ListOpsDataError(f"only {len(out)} of {num_samples} distinct trees with {min_length} <= length <= "
                            f"{max_length} at depth <= {max_depth} after {max_tries} tries; widen the limits")
