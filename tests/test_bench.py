@@ -406,6 +406,12 @@ module.main = main
 """
 
 
+def is_their_ratio(printed: str, a: str, b: str) -> bool:
+    """A ratio printed to 2 decimals of two figures printed to whole tokens/s."""
+    a, b = float(a), float(b)
+    return (a - 0.5) / (b + 0.5) - 0.005 <= float(printed) <= (a + 0.5) / (b - 0.5) + 0.005
+
+
 def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
     # each model: the loop's median over the 2 logged steps after the warm-up step, then the bare step's over its
     # 2 timed steps (of 3 run)
@@ -414,10 +420,6 @@ def test_pretrain_loop_compares_the_real_pretraining_loop_with_the_bare_step():
     lines = proc.stdout.splitlines()
     rows = table_rows(lines)
     assert [r[0] for r in rows] == ["nystrom", "softmax"]
-
-    def is_their_ratio(printed, a, b):  # a ratio to 2 decimals of figures printed to whole tokens/s
-        a, b = float(a), float(b)
-        return (a - 0.5) / (b + 0.5) - 0.005 <= float(printed) <= (a + 0.5) / (b - 0.5) + 0.005
 
     for name, loop, bare, ratio, loop_x, bare_x in rows:
         assert float(loop) > 0 and float(bare) > 0 and is_their_ratio(ratio, loop, bare), (loop, bare, ratio)
@@ -468,7 +470,9 @@ checkpoint.save_epoch = save_epoch
     lines = proc.stdout.splitlines()
     rows = table_rows(lines)
     assert [r[0] for r in rows] == ["nystrom", "softmax"]
-    assert float(rows[1][1]) > 0 and rows[1][2] == "n/a" and rows[0][4] not in ("n/a", "1.00")
+    assert float(rows[1][1]) > 0 and rows[1][2] == "n/a"
+    # nystrom's loop against softmax's stopped-but-kept loop figure (timing noise may make it 1.00)
+    assert rows[0][4] != "n/a" and is_their_ratio(rows[0][4], rows[0][1], rows[1][1]), rows
     assert lines[-1].startswith("Stopped (a time limit or Ctrl-C) during the softmax model's loop")
 
 
