@@ -786,6 +786,26 @@ def test_a_model_folder_finds_its_tokenizer_beside_it_or_beside_its_data_whateve
         model_tokenizer(load_config(folder))
 
 
+def test_data_built_with_a_hub_name_not_in_this_machines_cache_says_to_set_the_config_key(tmp_path):
+    # data built with --tokenizer roberta-base on a machine that had it cached, used where it is not (a container)
+    from helpers import tiny_config, write_model_dir, write_synthetic_data
+    from nystromformer.config import load_config
+    from nystromformer.tokenizer import load_model_tokenizer
+    write_synthetic_data(tmp_path / "data")  # meta.json's tokenizer: "synthetic", a name, not a folder
+    folder = write_model_dir(tmp_path / "run", tiny_config())
+    with pytest.raises(TokenizerError) as raised:
+        load_model_tokenizer(load_config(folder))
+    message = str(raised.value)
+    assert message.startswith(f"the tokenizer named in {folder / '..' / 'data' / 'meta.json'}: tokenizer "
+                              f"'synthetic' is neither a folder nor in the local Hugging Face cache")
+    assert message.endswith(f"Or set \"tokenizer\" in {folder / 'config.json'} to a folder holding its files "
+                            f"(relative to the model folder; in a container, a folder it mounts).")
+    # config.json's own key names a folder: its error is about that folder, with no hint to set the key
+    write_model_dir(folder, {**tiny_config(), "tokenizer": "tok"})
+    with pytest.raises(TokenizerError, match=r"config.json: tokenizer: tokenizer '.*/run/tok': no such folder$"):
+        load_model_tokenizer(load_config(folder))
+
+
 def test_a_repository_mounted_elsewhere_still_finds_the_tokenizer_its_data_was_built_with(
         partitions, trained_tokenizer, tmp_path):
     # As with docker run -v "$PWD:/workspace": meta.json's absolute path is the host's; from the data folder, the

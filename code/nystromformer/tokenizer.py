@@ -88,10 +88,15 @@ def _tokenizer_setting(cfg) -> str:
 
 def load_model_tokenizer(cfg):
     """The tokenizer a model folder uses (``model_tokenizer``), loaded; an error names the setting that named it."""
+    name = model_tokenizer(cfg)
     try:
-        return load_tokenizer(model_tokenizer(cfg))
+        return load_tokenizer(name)
     except TokenizerError as e:
-        raise TokenizerError(f"{_tokenizer_setting(cfg)}: {e}") from None
+        # A hub name from meta.json: the cache of the machine that built the data, not this one's (a container's)
+        hint = (f" Or set \"tokenizer\" in {cfg.config_file} to a folder holding its files (relative to the model "
+                f"folder; in a container, a folder it mounts)." if cfg.tokenizer is None and isinstance(name, str)
+                else "")
+        raise TokenizerError(f"{_tokenizer_setting(cfg)}: {e}{hint}") from None
 
 
 def tokenizer_files_digest(folder: Path) -> Optional[str]:
