@@ -56,6 +56,9 @@ BATCH_SIZES ?= 16,32
 NPROC ?= 1
 # torchrun's rendezvous flags; the default runs on this machine only
 TORCHRUN_ARGS ?= --standalone
+# More `docker run` flags for docker-pretrain, e.g. with rootful Docker, files owned by you rather than root:
+# make docker-pretrain DOCKER_RUN_ARGS="--user $(id -u):$(id -g) -e HOME=/tmp"  (the shell fills in the ids)
+DOCKER_RUN_ARGS ?=
 IMAGE ?= nystromformer:latest
 
 .DEFAULT_GOAL := help
@@ -78,7 +81,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]' -c constraints.txt
-	mkdir -p $(STAMPS) && touch $@
+	touch $@
 
 # Re-resolve: the newest releases within pyproject.toml's ranges, in a scratch venv, pinned into constraints.txt.
 constraints: ## re-pin constraints.txt to the newest releases pyproject.toml allows (then: make test)
@@ -163,5 +166,6 @@ docker-pretrain: ## pretrain MODEL in Docker on all GPUs (stop with docker stop;
 	@case "$(MODEL)" in /*|../*) echo "error: MODEL=$(MODEL): a folder inside the repository (mounted at /workspace)" \
 	  >&2; exit 2;; esac
 	$(require_model)
-	docker run --rm --gpus all --ipc=host --stop-timeout 120 --name nystromformer-$(notdir $(patsubst %/,%,$(MODEL))) \
-	  -v $(CURDIR):/workspace -w /workspace/$(MODEL) $(IMAGE) pretrain
+	docker run --rm --init --gpus all --ipc=host --stop-timeout 120 \
+	  --name nystromformer-$(notdir $(patsubst %/,%,$(MODEL))) $(DOCKER_RUN_ARGS) \
+	  -v "$(CURDIR):/workspace" -w "/workspace/$(MODEL)" $(IMAGE) pretrain

@@ -39,6 +39,14 @@ def test_image_requirements_are_the_project_dependencies_without_torch():
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     image = [line.split("#")[0].strip() for line in (REPO / "docker" / "requirements.txt").read_text().splitlines()]
     assert sorted(d for d in deps if not d.startswith("torch")) == sorted(line for line in image if line)
+    # installed at the versions CI tested, but for the base image's own CUDA torch and its triton
+    install = DOCKERFILE.read_text().split("COPY constraints.txt docker/constraints.txt\n", 1)[1]
+    assert "grep -vE '^(torch|triton)==' docker/constraints.txt > docker/constraints-image.txt" in install
+    kept = subprocess.run(["grep", "-vE", "^(torch|triton)==", REPO / "constraints.txt"], capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+    pinned = [line for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line]
+    assert {line.split("==")[0] for line in pinned} - {line.split("==")[0] for line in kept} == {"torch", "triton"}
+    assert "pip install --no-cache-dir -r docker/requirements.txt -c docker/constraints-image.txt" in install
 
 
 def test_constraints_pin_every_dependency_to_a_version_pyproject_allows():
@@ -109,7 +117,7 @@ def test_every_documented_make_target_dry_runs_to_real_commands():
     dry = subprocess.run(["make", "-n", "data-4096", "TOKENIZER=/tok"], cwd=REPO, capture_output=True, text=True).stdout
     assert "build-shards --seq-len 4096 --tokenizer /tok" in dry and "stories:0.333" in dry
     dry = subprocess.run(["make", "-n", "docker-pretrain", "MODEL=nystrom-4096"], cwd=REPO, capture_output=True, text=True).stdout
-    assert "-w /workspace/nystrom-4096" in dry and "--ipc=host" in dry
+    assert '-w "/workspace/nystrom-4096"' in dry and "--ipc=host" in dry
 
 
 def test_make_data_4096_after_data_512_reuses_the_finished_corpus_steps(tmp_path):
@@ -129,10 +137,21 @@ def test_make_data_4096_after_data_512_reuses_the_finished_corpus_steps(tmp_path
     assert "extract-wiki" in dry("data-4096")   # forgotten steps are redone
 
 
-def test_make_docker_pretrain_mounts_the_repository_so_a_from_cp_in_another_folder_resolves():
+def test_make_docker_pretrain_mounts_the_repository_so_a_from_cp_in_another_folder_resolves(tmp_path):
     dry = subprocess.run(["make", "-n", "docker-pretrain", "MODEL=nystrom-4096"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
-    assert f"-v {REPO}:/workspace -w /workspace/nystrom-4096" in dry     # from_cp: ../nystrom-512/model/…
+    assert f'-v "{REPO}:/workspace" -w "/workspace/nystrom-4096"' in dry     # from_cp: ../nystrom-512/model/…
+    # A checkout whose path has a space; extra flags (--user with rootful Docker); --init forwards docker stop's
+    # SIGTERM to commands without a handler of their own
+    spaced = tmp_path / "my repo"
+    (spaced / "nystrom-512").mkdir(parents=True)
+    shutil.copy(REPO / "Makefile", spaced)
+    shutil.copy(REPO / "nystrom-512" / "config.json", spaced / "nystrom-512")
+    dry = subprocess.run(["make", "-n", "docker-pretrain", "DOCKER_RUN_ARGS=--user 1000:1000 -e HOME=/tmp"],
+                         cwd=spaced, capture_output=True, text=True, check=True).stdout
+    command = shlex.split(dry[dry.index("docker run"):])
+    assert command[:4] == ["docker", "run", "--rm", "--init"] and command[-2:] == ["nystromformer:latest", "pretrain"]
+    assert f"{spaced}:/workspace" in command and " ".join(command).count("--user 1000:1000 -e HOME=/tmp") == 1
     dry = subprocess.run(["make", "-n", "pretrain", "NPROC=8", "TORCHRUN_ARGS=--nnodes 2 --rdzv-endpoint h:29400"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "torchrun --nnodes 2 --rdzv-endpoint h:29400 --nproc_per_node 8" in dry
