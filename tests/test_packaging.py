@@ -147,7 +147,8 @@ def test_make_docker_pretrain_mounts_the_repository_so_a_from_cp_in_another_fold
     (spaced / "nystrom-512").mkdir(parents=True)
     shutil.copy(REPO / "Makefile", spaced)
     shutil.copy(REPO / "nystrom-512" / "config.json", spaced / "nystrom-512")
-    dry = subprocess.run(["make", "-n", "docker-pretrain", "DOCKER_RUN_ARGS=--user 1000:1000 -e HOME=/tmp"],
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "docker-pretrain",
+                          "DOCKER_RUN_ARGS=--user 1000:1000 -e HOME=/tmp"],
                          cwd=spaced, capture_output=True, text=True, check=True).stdout
     command = shlex.split(dry[dry.index("docker run"):])
     assert command[:4] == ["docker", "run", "--rm", "--init"] and command[-2:] == ["nystromformer:latest", "pretrain"]
