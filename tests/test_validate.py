@@ -316,3 +316,20 @@ def test_entries_logged_before_fingerprints_count_by_name_and_a_remeasurement_re
     assert [(e["checkpoint"], e["num_sequences"], "fingerprint" in e) for e in logged] == [
         ("cp-0000.model", again["num_sequences"], True), ("cp-0001.model", first[1]["num_sequences"], False),
         ("cp-0001.model", 8, True)]
+
+
+def test_validation_matches_the_dev_evaluation_of_a_batch_smaller_than_a_micro_batch(tmp_path):
+    # batch_size / processes below inst_per_gpu: pretraining's passes are that many rows; its dev evaluation ran
+    # passes of that size too, validate's of pass_rows, so Nyström's "original" pinv init (a max over each
+    # micro-batch of a pass) took its max over other rows, and the two measured the same checkpoint differently.
+    write_synthetic_data(tmp_path / "data")
+    cfg = tiny_config()
+    cfg["pretraining_setting"].update(epoch=1, batch_size=4, batches_per_epoch=30, learning_rate=3e-3,
+                                      validate_batches_per_epoch=4)
+    cfg["gpu_setting"]["inst_per_gpu"] = 8
+    folder = write_model_dir(tmp_path / "run", cfg)
+    assert pretrain(load_config(folder), show_progress=False) == 0
+    (entry,) = validate(load_config(folder), epochs=[0])
+    (dev,) = [json.loads(line) for line in (folder / "model" / "pretrain_output.log").read_text().splitlines()
+              if json.loads(line)["type"] == "dev"]
+    assert entry["loss"] == pytest.approx(dev["loss"], rel=1e-12, abs=0)

@@ -454,8 +454,11 @@ class PretrainRun:
         """Evaluate the weights of ``self.step`` on the dev split and log it as epoch ``epoch``'s."""
         ps, rt, step = self.ps, self.rt, self.step
         # (Measured again in fp32 if fp16 overflowed: else the same overflow would stop every rerun here.)
+        # Passes of pass_rows, as `validate`'s (not self.micro, which a per-rank batch below pass_rows shrinks):
+        # Nyström's pinv init takes its max over each inst_per_gpu rows of a pass, so other passes measure otherwise.
         metrics, redone = evaluate_fp16_safe(self.model, self.dev_data,
-                                             ps.validate_batches_per_epoch * ps.batch_size, self.micro, ps.seed,
+                                             ps.validate_batches_per_epoch * ps.batch_size,
+                                             self.cfg.gpu_setting.pass_rows, ps.seed,
                                              ps.mask_prob, rt.device, rt.autocast_dtype, rt.rank, rt.world_size)
         note += " (in fp32: fp16 overflowed)" if redone else ""
         if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
