@@ -771,3 +771,33 @@ def test_trained_conv_weights_that_another_attention_type_discards_are_reported_
     import_hf(src, tmp_path / "ours", overrides={"attn_type": "softmax"}, log=logs.append)
     [unused] = [line for line in logs if line.startswith("transformers weights not used")]
     assert "nystromformer.encoder.layer.0.attention.self.conv.weight" in unused
+
+
+def test_glue_weights_fine_tuned_on_shorter_inputs_export_with_that_input_length(tmp_path):
+    """A GLUE run with --max-seq-len 16 on a 32-token model was trained and predicted on inputs padded to 16 (its
+    Nyström landmarks: means over 16 tokens). transformers' Nyström path takes exactly segment_means_seq_len tokens:
+    the export must use the run's 16, not the position table's 32, or the classifier cannot be run on the inputs it
+    was fine-tuned on (transformers folds the batch rows into the segments and gives other logits)."""
+    mc = model_config(num_landmarks=8)
+    model = randomize(NystromformerForSequenceClassification(mc, 2))
+    folder = write_model_dir(tmp_path / "m", tiny_config(num_landmarks=8))
+    weights = tmp_path / "best.model"
+    atomic.torch_save(weights, {"model_state_dict": model.state_dict(), "num_labels": 2, "task": "RTE",
+                                "model_config": dataclasses.asdict(mc), "settings": {"task": "RTE", "max_seq_len": 16}})
+    out = export_hf(load_config(folder), tmp_path / "hf", glue_weights=weights, log=lambda s: None)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert hf.config.segment_means_seq_len == 16 and hf.config.max_position_embeddings == SEQ
+    ids = token_ids(n=16)  # the run's input length, no padding
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=ATOL, rtol=0)
+    # Landmarks >= the run's length: exact softmax there, as ours computes on 16 tokens with 16 landmarks.
+    mc16 = model_config(num_landmarks=16)
+    model16 = randomize(NystromformerForSequenceClassification(mc16, 2))
+    atomic.torch_save(weights, {"model_state_dict": model16.state_dict(), "num_labels": 2, "task": "RTE",
+                                "model_config": dataclasses.asdict(mc16),
+                                "settings": {"task": "RTE", "max_seq_len": 16}})
+    out = export_hf(load_config(folder), tmp_path / "hf16", glue_weights=weights, log=lambda s: None)
+    hf16 = transformers.AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    assert hf16.config.num_landmarks == hf16.config.segment_means_seq_len == 16
+    with torch.no_grad():
+        torch.testing.assert_close(hf16(ids).logits, model16(ids), atol=ATOL, rtol=0)

@@ -99,14 +99,21 @@ def hf_key(ours: str, family: str = "nystromformer") -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # Export
-def check_exportable(mc: ModelConfig) -> List[str]:
+def input_length(mc: ModelConfig, input_len: Optional[int] = None) -> int:
+    """The input length the export is for: a GLUE run's --max-seq-len when shorter than the position table (its
+    inputs were padded to that many tokens), else the model's max_seq_len."""
+    return input_len if input_len is not None and input_len < mc.max_seq_len else mc.max_seq_len
+
+
+def check_exportable(mc: ModelConfig, input_len: Optional[int] = None) -> List[str]:
     """Raise InteropError naming the first option transformers cannot reproduce; return notes on options
-    that do not change the computation (to print)."""
+    that do not change the computation (to print). ``input_len``: see ``input_length``."""
     notes = []
     if mc.attn_type not in ("nystrom", "softmax"):
         raise InteropError(f"model.attn_type: {mc.attn_type!r} has no transformers Nystromformer equivalent "
                            f"(exportable: nystrom, softmax)")
-    exact = mc.attn_type == "softmax" or mc.num_landmarks >= mc.max_seq_len
+    n = input_length(mc, input_len)
+    exact = mc.attn_type == "softmax" or mc.num_landmarks >= n
     if mc.pre_layer_norm:
         raise InteropError("model.pre_layer_norm: transformers' Nystromformer is post-LayerNorm")
     if mc.embedding_dim != mc.transformer_dim:
@@ -114,9 +121,10 @@ def check_exportable(mc: ModelConfig) -> List[str]:
                            f"({mc.transformer_dim}): transformers' Nystromformer has no embedding projection "
                            f"(its embeddings and MLM head have width hidden_size)")
     if not exact:
-        if mc.max_seq_len % mc.num_landmarks:
+        if n % mc.num_landmarks:
+            length = "max_seq_len" if n == mc.max_seq_len else "the GLUE run's --max-seq-len"
             raise InteropError(
-                f"model.num_landmarks: max_seq_len {mc.max_seq_len} is not a multiple of num_landmarks "
+                f"model.num_landmarks: {length} {n} is not a multiple of num_landmarks "
                 f"{mc.num_landmarks}; our uneven segment means have no transformers equivalent (its segment "
                 f"means reshape segment_means_seq_len into num_landmarks equal segments)")
         if mc.inv_coeff_init_option == "exact":
@@ -135,15 +143,17 @@ def check_exportable(mc: ModelConfig) -> List[str]:
         notes.append("attention_fp32 has no transformers equivalent: identical in fp32; under autocast "
                      "transformers computes attention in the autocast dtype")
     if not exact:
-        notes.append(f"transformers' Nystrom path accepts only unpadded inputs of exactly {mc.max_seq_len} "
+        notes.append(f"transformers' Nystrom path accepts only unpadded inputs of exactly {n} "
                      f"tokens (segment_means_seq_len); shorter inputs crash or mix batch rows, padding masks "
                      f"crash, and it runs only in fp32 (bf16/fp16 raise a dtype error; see docs/interop.md)")
     return notes
 
 
-def hf_config_kwargs(mc: ModelConfig, special_tokens: Optional[Dict[str, int]] = None) -> dict:
-    """NystromformerConfig arguments computing what our ``mc`` computes."""
-    exact = mc.attn_type == "softmax" or mc.num_landmarks >= mc.max_seq_len
+def hf_config_kwargs(mc: ModelConfig, special_tokens: Optional[Dict[str, int]] = None,
+                     input_len: Optional[int] = None) -> dict:
+    """NystromformerConfig arguments computing what our ``mc`` computes on inputs of ``input_length`` tokens."""
+    n = input_length(mc, input_len)
+    exact = mc.attn_type == "softmax" or mc.num_landmarks >= n
     special = special_tokens or {}
     return dict(
         vocab_size=mc.vocab_size, hidden_size=mc.transformer_dim, num_hidden_layers=mc.num_layers,
@@ -153,7 +163,7 @@ def hf_config_kwargs(mc: ModelConfig, special_tokens: Optional[Dict[str, int]] =
         # transformers' table has max_position_embeddings + 2 rows, positions 2..n+1: as ours.
         max_position_embeddings=mc.max_seq_len, type_vocab_size=mc.num_sen_type,
         # transformers takes its exact softmax path only when num_landmarks == segment_means_seq_len.
-        segment_means_seq_len=mc.max_seq_len, num_landmarks=mc.max_seq_len if exact else mc.num_landmarks,
+        segment_means_seq_len=n, num_landmarks=n if exact else mc.num_landmarks,
         # transformers 5 rejects conv_kernel_size=None: "no conv" is exported as a zero 1x1 conv.
         conv_kernel_size=mc.conv_kernel_size if (mc.conv_kernel_size and mc.attn_type == "nystrom") else 1,
         inv_coeff_init_option=False, layer_norm_eps=mc.layer_norm_eps, pad_token_id=mc.pad_token_id,
@@ -173,12 +183,13 @@ def to_hf_state_dict(state: Dict[str, torch.Tensor], mc: ModelConfig) -> Dict[st
 
 
 def build_hf_model(mc: ModelConfig, state: Dict[str, torch.Tensor], num_labels: Optional[int] = None,
-                   special_tokens: Optional[Dict[str, int]] = None, label_names: Optional[List[str]] = None):
+                   special_tokens: Optional[Dict[str, int]] = None, label_names: Optional[List[str]] = None,
+                   input_len: Optional[int] = None):
     """A transformers NystromformerForMaskedLM (or ...ForSequenceClassification when ``num_labels``, with
     ``label_names`` as its id2label) holding our weights ``state``."""
     import transformers
 
-    kwargs = hf_config_kwargs(mc, special_tokens)
+    kwargs = hf_config_kwargs(mc, special_tokens, input_len)
     if num_labels is not None:
         kwargs["num_labels"] = num_labels
         if label_names and len(label_names) == num_labels:
@@ -205,10 +216,18 @@ def _special_tokens(cfg: Config) -> Dict[str, int]:
         return {}
 
 
+def glue_input_length(obj: dict) -> Optional[int]:
+    """The --max-seq-len a GLUE best.model records it was fine-tuned with (None: the model's own, or none)."""
+    settings = obj.get("settings")
+    value = settings.get("max_seq_len") if isinstance(settings, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tensor], ModelConfig, int,
-                                                             Optional[List[str]]]:
-    """(state dict, model config, num_labels, label names) of a fine-tuned NystromformerForSequenceClassification
-    file (label names from its GLUE task, when it records one)."""
+                                                             Optional[List[str]], Optional[int]]:
+    """(state dict, model config, num_labels, label names, input length) of a fine-tuned
+    NystromformerForSequenceClassification file (label names from its GLUE task, when it records one; the input
+    length from its run's --max-seq-len, when shorter runs recorded one)."""
     obj = checkpoint.load(path)
     state = obj["model_state_dict"]
     bad = [k for k in state if not k.startswith(("encoder.", "classifier."))]
@@ -222,7 +241,8 @@ def load_glue_weights(path: PathLike, cfg: Config) -> Tuple[Dict[str, torch.Tens
         mc = dataclasses.replace(cfg.model, max_seq_len=rows)
     from .glue.tasks import TASKS
     task = TASKS.get(obj.get("task")) if isinstance(obj.get("task"), str) else None
-    return state, mc, int(state["classifier.out_proj.weight"].shape[0]), task.labels if task else None
+    return (state, mc, int(state["classifier.out_proj.weight"].shape[0]), task.labels if task else None,
+            glue_input_length(obj))
 
 
 def _trained_model_config(saved: dict, cfg: Config, source: Path, log) -> ModelConfig:
@@ -277,7 +297,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
     check_export_output(output, overwrite)
     check_tokenizer_is_the_datas(cfg)  # a retrained tokenizer would be exported beside weights of other ids
     if glue_weights is not None:
-        state, mc, found, label_names = load_glue_weights(glue_weights, cfg)
+        state, mc, found, label_names, input_len = load_glue_weights(glue_weights, cfg)
         if num_labels is not None and num_labels != found:
             raise InteropError(f"--num-labels {num_labels}, but {glue_weights} has a {found}-label classifier")
         num_labels = found
@@ -288,11 +308,11 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
         source = checkpoint.find_model(cfg.checkpoint_dir, epoch)
         saved = checkpoint.load(source)
         state, mc, num_labels = saved["model_state_dict"], _trained_model_config(saved, cfg, source, log), None
-        label_names = None
+        label_names, input_len = None, None
     _check_weights_fit(state, mc, num_labels, source)
-    for note in check_exportable(mc):
+    for note in check_exportable(mc, input_len):
         log(f"note: {note}")
-    model = build_hf_model(mc, state, num_labels, _special_tokens(cfg), label_names)
+    model = build_hf_model(mc, state, num_labels, _special_tokens(cfg), label_names, input_len)
     # Written into a new folder beside the output, then renamed into place: an export that fails half-way leaves
     # the old folder as it was, and an overwritten one keeps no file of the previous export.
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -306,7 +326,7 @@ def export_hf(cfg: Config, output: PathLike, epoch: Optional[int] = None, glue_w
             log(f"warning: no tokenizer found ({e}): exported the weights only; copy the tokenizer files into the "
                 f"folder before using pipeline()")
         else:
-            tok.model_max_length = mc.max_seq_len
+            tok.model_max_length = input_length(mc, input_len)
             tok.save_pretrained(str(staging))
             for name in TOKENIZER_FILES:  # also the source files (vocab.json, merges.txt) for other readers
                 if isinstance(tokenizer, Path) and (tokenizer / name).is_file() and not (staging / name).exists():
