@@ -833,7 +833,7 @@ def test_with_fp16_a_dev_evaluation_that_overflows_is_measured_again_in_fp32(tmp
     folder = model_dir(tmp_path, pretraining_setting={"epoch": 1})
     assert run(folder) == 0
     dev = read_log(folder / "model" / "pretrain_output.log", "dev")
-    assert len(dev) == 1 and dev[0]["loss"] < 10
+    assert len(dev) == 1 and dev[0]["loss"] < 10 and dev[0]["precision"] == "fp32 (fp16 overflowed)"
     assert "(in fp32: fp16 overflowed)" in capsys.readouterr().out
 
 
@@ -844,6 +844,7 @@ def test_with_fp16_a_dev_evaluation_that_does_not_overflow_is_measured_once(tmp_
     monkeypatch.setattr(mlm, "evaluate", lambda *args: (calls.append(args[7]), evaluate(*args))[1])
     assert run(model_dir(tmp_path, pretraining_setting={"epoch": 1})) == 0
     assert calls == [torch.float16] and "in fp32" not in capsys.readouterr().out
+    assert "precision" not in read_log(tmp_path / "run" / "model" / "pretrain_output.log", "dev")[0]
 
 
 def test_the_shuffled_order_is_a_new_permutation_each_pass_and_any_position_can_be_resumed_from():

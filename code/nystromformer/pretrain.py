@@ -464,7 +464,8 @@ class PretrainRun:
         if not math.isfinite(metrics["loss"]):  # the weights of `step` diverged
             raise TrainingDiverged(_diverged_message(f"the dev loss is {metrics['loss']} after step {step}", step,
                                                      self.ckpt_dir, ps.batches_per_epoch))
-        self.log.write(type="dev", epoch=epoch, step=step, **metrics)
+        self.log.write(type="dev", epoch=epoch, step=step, **metrics,
+                       **({"precision": "fp32 (fp16 overflowed)"} if redone else {}))  # as validate logs it
         self.say(f"epoch {epoch}: dev loss {metrics['loss']:.4f}, dev MLM accuracy {metrics['mlm_accu']:.4f}"
                  f"{accuracy_note(metrics)}{note}")
 
